@@ -1,0 +1,30 @@
+# Every target that runs code first makes sure .venv is installed and current (scripts/install.sh
+# is a no-op when the stamp matches pyproject.toml + requirements/cpu.txt).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install demo test bitexact bench lint clean
+
+install:
+	@bash scripts/install.sh
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bitexact: install
+	$(PY) -m pytest tests/bitexact $(PYTEST_ARGS)
+
+bench: install
+	$(PY) bench/run_all.py
+
+lint: install
+	$(VENV)/bin/ruff check kmesh_blend tests examples bench
+	$(VENV)/bin/ruff format --check kmesh_blend tests examples bench
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,217 @@
+"""User-facing settings of the kmesh-blend KV connector.
+
+All settings arrive through vLLM's ``kv_connector_extra_config`` dict, under keys prefixed
+``kmesh.``; keys without that prefix belong to other connectors and are ignored.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, NoReturn, cast, get_args
+
+StoreKind = Literal["cpu", "disk", "lm", "redis"]
+Selection = Literal["per_request", "collective"]
+Schedule = Literal["layer_sync", "sequential"]
+
+PREFIX = "kmesh."
+KNOWN_KEYS: tuple[str, ...] = (
+    "kmesh.store",
+    "kmesh.recompute_ratio",
+    "kmesh.check_layers",
+    "kmesh.selection",
+    "kmesh.schedule",
+)
+
+
+class ConfigError(ValueError):
+    """A bad kmesh setting; the message names the key, the bad value and what is valid."""
+
+    def __init__(self, message: str, *, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class StoreSpec(NamedTuple):
+    """Parsed form of ``kmesh.store``."""
+
+    kind: StoreKind
+    path: str | None = None
+    host: str | None = None
+    port: int | None = None
+
+
+def parse_store(value: str) -> StoreSpec:
+    """Parse a ``kmesh.store`` value; raises :class:`ConfigError` naming ``kmesh.store``."""
+    if not isinstance(value, str):
+        _fail("kmesh.store", value, "not a string", _STORE_VALID)
+    if value == "cpu":
+        return StoreSpec("cpu")
+    if value.startswith("disk://"):
+        path = value[len("disk://") :]
+        if not path.startswith("/"):
+            _fail("kmesh.store", value, "disk path must be absolute", _STORE_VALID)
+        return StoreSpec("disk", path=path)
+    for kind in ("lm", "redis"):
+        if value.startswith(f"{kind}://"):
+            host, port = _parse_host_port(value, value[len(kind) + 3 :])
+            return StoreSpec(kind, host=host, port=port)
+    _fail("kmesh.store", value, "unknown store form", _STORE_VALID)
+
+
+@dataclass(frozen=True)
+class KMeshConfig:
+    """Validated kmesh-blend settings (validation runs on every construction)."""
+
+    store: str = "cpu"
+    """Where reused KV lives: ``cpu`` (host RAM), ``disk:///abs/path``, ``lm://HOST:PORT``
+    (an LMCache server process) or ``redis://HOST:PORT``."""
+    recompute_ratio: float = 0.15
+    """Share of reused tokens that are recomputed, in [0, 1] (1.0 = recompute all)."""
+    check_layers: tuple[int, ...] = (1,)
+    """Layers where KV deviation is measured: non-empty, non-negative, strictly increasing."""
+    selection: Selection = "per_request"
+    """How recompute tokens are picked: per request, or collectively across the batch."""
+    schedule: Schedule = "layer_sync"
+    """How recompute is overlapped with loading: per layer in sync, or sequentially."""
+    _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_store_spec", parse_store(self.store))
+        object.__setattr__(self, "recompute_ratio", _check_ratio(self.recompute_ratio))
+        object.__setattr__(self, "check_layers", _check_layers(self.check_layers))
+        object.__setattr__(self, "selection", _check_choice("kmesh.selection", self.selection))
+        object.__setattr__(self, "schedule", _check_choice("kmesh.schedule", self.schedule))
+
+    @property
+    def store_spec(self) -> StoreSpec:
+        """The parsed ``store`` (parsed once, at construction)."""
+        return self._store_spec
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, object] | None) -> KMeshConfig:
+        """Build from vLLM's whole ``kv_connector_extra_config``; ``None`` gives the defaults."""
+        if extra is None:
+            return cls()
+        if not isinstance(extra, Mapping):
+            _fail("kv_connector_extra_config", extra, "not a mapping", "a dict of settings")
+        ours = {k: v for k, v in extra.items() if isinstance(k, str) and k.startswith(PREFIX)}
+        for key in ours:
+            if key not in KNOWN_KEYS:
+                close = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(
+                    f"unknown key {key!r}={ours[key]!r}{hint}; known keys: {', '.join(KNOWN_KEYS)}",
+                    key=key,
+                )
+        d = cls()  # defaults, for keys not given
+        store = ours.get("kmesh.store", d.store)
+        if not isinstance(store, str):
+            _fail("kmesh.store", store, "not a string", _STORE_VALID)
+        selection = _check_choice("kmesh.selection", ours.get("kmesh.selection", d.selection))
+        schedule = _check_choice("kmesh.schedule", ours.get("kmesh.schedule", d.schedule))
+        return cls(
+            store=store,
+            recompute_ratio=_check_ratio(ours.get("kmesh.recompute_ratio", d.recompute_ratio)),
+            check_layers=_check_layers(ours.get("kmesh.check_layers", d.check_layers)),
+            selection=cast(Selection, selection),
+            schedule=cast(Schedule, schedule),
+        )
+
+    def validate_for_model(self, num_layers: int) -> None:
+        """Check that every ``check_layers`` entry exists in a model of ``num_layers`` layers."""
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        bad = [layer for layer in self.check_layers if layer >= num_layers]
+        if bad:
+            _fail(
+                "kmesh.check_layers",
+                list(self.check_layers),
+                f"layer(s) {bad} beyond the model's {num_layers} layers",
+                f"layer indices in 0..{num_layers - 1}",
+            )
+
+    def to_extra_config(self) -> dict[str, object]:
+        """The ``kmesh.*`` entries that rebuild this config via :meth:`from_extra_config`."""
+        return {
+            "kmesh.store": self.store,
+            "kmesh.recompute_ratio": self.recompute_ratio,
+            "kmesh.check_layers": list(self.check_layers),
+            "kmesh.selection": self.selection,
+            "kmesh.schedule": self.schedule,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+_STORE_VALID = "'cpu', 'disk:///ABS/PATH', 'lm://HOST:PORT' or 'redis://HOST:PORT'"
+_RATIO_VALID = "a number in [0, 1] (float, or int 0/1; not bool)"
+_LAYERS_VALID = (
+    "a non-empty, strictly increasing list of distinct non-negative ints (or a string like '1,3')"
+)
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "kmesh.selection": get_args(Selection),
+    "kmesh.schedule": get_args(Schedule),
+}
+
+
+def _fail(key: str, value: object, reason: str, valid: str) -> NoReturn:
+    raise ConfigError(f"invalid {key}={value!r}: {reason}; valid: {valid}", key=key)
+
+
+def _parse_host_port(value: str, rest: str) -> tuple[str, int]:
+    host, sep, port = rest.rpartition(":")
+    if not sep:
+        _fail("kmesh.store", value, "missing ':PORT'", _STORE_VALID)
+    if not host or "/" in host or any(c.isspace() for c in host):
+        _fail("kmesh.store", value, "host must be non-empty", _STORE_VALID)
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        _fail("kmesh.store", value, "port must be an int in 1..65535", _STORE_VALID)
+    return host, int(port)
+
+
+def _check_ratio(value: object) -> float:
+    key = "kmesh.recompute_ratio"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        _fail(key, value, "not a number", _RATIO_VALID)
+    if math.isnan(value):
+        _fail(key, value, "NaN", _RATIO_VALID)
+    if not 0.0 <= value <= 1.0:
+        _fail(key, value, "out of range", _RATIO_VALID)
+    return float(value)
+
+
+def _check_layers(value: object) -> tuple[int, ...]:
+    key = "kmesh.check_layers"
+    items: list[object]
+    if isinstance(value, str):
+        try:
+            items = [int(part) for part in value.split(",")] if value.strip() else []
+        except ValueError:
+            _fail(key, value, "not a comma-separated list of ints", _LAYERS_VALID)
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        _fail(key, value, "not a list", _LAYERS_VALID)
+    if not items:
+        _fail(key, value, "empty", _LAYERS_VALID)
+    layers: list[int] = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            _fail(key, value, f"entry {item!r} is not a non-negative int", _LAYERS_VALID)
+        layers.append(item)
+    if len(set(layers)) != len(layers):
+        _fail(key, value, "duplicate layers", _LAYERS_VALID)
+    if layers != sorted(layers):
+        _fail(key, value, "not strictly increasing", _LAYERS_VALID)
+    return tuple(layers)
+
+
+def _check_choice(key: str, value: object) -> str:
+    choices = _CHOICES[key]
+    if not isinstance(value, str) or value not in choices:
+        _fail(key, value, "unknown choice", "one of " + ", ".join(repr(c) for c in choices))
+    return value

@@ -1,0 +1,135 @@
+"""Pure-torch reference implementation of `LayerwiseModel` for Llama, Qwen2 and Qwen3 checkpoints.
+
+It loads a Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``) and needs neither
+vLLM nor transformers at run time. Architecture differences are read from the weights themselves:
+q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings.
+
+Numerics follow the Hugging Face models: linear layers in the model dtype, RMSNorm in fp32 then
+cast back, RoPE tables in fp32 cast to the model dtype. Attention is computed in fp32 (softmax
+included) and cast back, which keeps it deterministic and close to every backend.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+from safetensors.torch import load_file
+
+from kmesh_blend.models.layerwise import QKV, ModelShape
+from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
+
+__all__ = ["ReferenceModel"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+class ReferenceModel:
+    """A `LayerwiseModel` over plain tensors. Construct with `ReferenceModel.load(path)`."""
+
+    def __init__(
+        self,
+        config: dict[str, object],
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+    ) -> None:
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type={model_type!r} is not supported; valid: {SUPPORTED_MODEL_TYPES}"
+            )
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.get('hidden_act')!r}; only 'silu' is supported")
+        hidden_size = int(config["hidden_size"])  # type: ignore[call-overload]
+        num_heads = int(config["num_attention_heads"])  # type: ignore[call-overload]
+        head_dim = int(config.get("head_dim") or hidden_size // num_heads)  # type: ignore[call-overload]
+        self.shape = ModelShape(
+            num_layers=int(config["num_hidden_layers"]),  # type: ignore[call-overload]
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),  # type: ignore[call-overload]
+            head_dim=head_dim,
+            hidden_size=hidden_size,
+            vocab_size=int(config["vocab_size"]),  # type: ignore[call-overload]
+            dtype=dtype,
+        )
+        self.eps = float(config.get("rms_norm_eps", 1e-6))  # type: ignore[arg-type]
+        self.scale = head_dim**-0.5
+        self.rope = RotaryEmbedding(RopeConfig.from_hf_config(config, head_dim))
+        self.w = {name: t.to(dtype) for name, t in weights.items()}
+        if "lm_head.weight" not in self.w:  # tied embeddings
+            self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ReferenceModel:
+        """Load a checkpoint directory written by ``save_pretrained`` (safetensors)."""
+        path = Path(path)
+        config = json.loads((path / "config.json").read_text())
+        weights: dict[str, torch.Tensor] = {}
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors file in {path}")
+        for file in files:
+            weights.update(load_file(str(file)))
+        return cls(config, weights, dtype)
+
+    # --- LayerwiseModel -------------------------------------------------------------------------
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[T] int64 → [T, E]."""
+        return F.embedding(token_ids, self.w["model.embed_tokens.weight"])
+
+    def project_qkv(self, layer: int, hidden: torch.Tensor) -> QKV:
+        """hidden [T, E] → q [T, H, D], k / v [T, Hkv, D], before RoPE."""
+        p = f"model.layers.{layer}."
+        x = self._rms_norm(hidden, self.w[p + "input_layernorm.weight"])
+        q = self._linear(x, p + "self_attn.q_proj")
+        k = self._linear(x, p + "self_attn.k_proj")
+        v = self._linear(x, p + "self_attn.v_proj")
+        d = self.shape.head_dim
+        q = rearrange(q, "t (h d) -> t h d", d=d)
+        k = rearrange(k, "t (h d) -> t h d", d=d)
+        v = rearrange(v, "t (h d) -> t h d", d=d)
+        if p + "self_attn.q_norm.weight" in self.w:  # Qwen3: RMSNorm per head, before RoPE
+            q = self._rms_norm(q, self.w[p + "self_attn.q_norm.weight"])
+            k = self._rms_norm(k, self.w[p + "self_attn.k_norm.weight"])
+        return QKV(q, k, v)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """q [Tq, H, D], k / v [Tk, Hkv, D], mask [Tq, Tk] bool → [Tq, H, D] (model dtype)."""
+        group = self.shape.num_heads // self.shape.num_kv_heads
+        kf = repeat(k.float(), "k h d -> k (h g) d", g=group)
+        vf = repeat(v.float(), "k h d -> k (h g) d", g=group)
+        scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * self.scale
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key: zeros
+        out = torch.einsum("hqk,khd->qhd", probs, vf)
+        return out.to(q.dtype)
+
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Layer input [T, E] + attention [T, H, D] → layer output [T, E]."""
+        p = f"model.layers.{layer}."
+        hidden = hidden + self._linear(rearrange(attn, "t h d -> t (h d)"), p + "self_attn.o_proj")
+        x = self._rms_norm(hidden, self.w[p + "post_attention_layernorm.weight"])
+        gate = self._linear(x, p + "mlp.gate_proj")
+        up = self._linear(x, p + "mlp.up_proj")
+        return hidden + self._linear(F.silu(gate) * up, p + "mlp.down_proj")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, E] → [T, vocab] fp32."""
+        x = self._rms_norm(hidden, self.w["model.norm.weight"])
+        return F.linear(x, self.w["lm_head.weight"]).float()
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        return F.linear(x, self.w[prefix + ".weight"], self.w.get(prefix + ".bias"))
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * xf.to(x.dtype)

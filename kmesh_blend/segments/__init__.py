@@ -1,0 +1,1 @@
+"""Shared segments: annotation, content identity, the round-aware index and its storage."""
