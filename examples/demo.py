@@ -46,7 +46,7 @@ def main() -> int:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=0)
     out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
     vllm_tokens = list(out.outputs[0].token_ids)
-    worst = max(abs(a - b) for a, b in zip(ref_logprobs, prompt_logprobs(out)))
+    worst = max(abs(a - b) for a, b in zip(ref_logprobs, prompt_logprobs(out), strict=True))
 
     print(f"reference greedy: {ref_tokens}")
     print(f"vLLM greedy:      {vllm_tokens}")

@@ -1,4 +1,4 @@
-"""The layerwise model interface: the per-layer steps a blend needs, and a full prefill built on them.
+"""The layerwise model interface: the per-layer steps a blend needs, and a prefill built on them.
 
 A blend does not run a model end to end. It embeds the tokens it must compute, projects them to
 q/k/v *before* RoPE (so keys can be compared and moved), rotates them to chosen positions, lets

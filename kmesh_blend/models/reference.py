@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ class ReferenceModel:
 
     def __init__(
         self,
-        config: dict[str, object],
+        config: dict[str, Any],
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
     ) -> None:
@@ -43,19 +44,19 @@ class ReferenceModel:
             )
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.get('hidden_act')!r}; only 'silu' is supported")
-        hidden_size = int(config["hidden_size"])  # type: ignore[call-overload]
-        num_heads = int(config["num_attention_heads"])  # type: ignore[call-overload]
-        head_dim = int(config.get("head_dim") or hidden_size // num_heads)  # type: ignore[call-overload]
+        hidden_size = int(config["hidden_size"])
+        num_heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or hidden_size // num_heads)
         self.shape = ModelShape(
-            num_layers=int(config["num_hidden_layers"]),  # type: ignore[call-overload]
+            num_layers=int(config["num_hidden_layers"]),
             num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),  # type: ignore[call-overload]
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
             hidden_size=hidden_size,
-            vocab_size=int(config["vocab_size"]),  # type: ignore[call-overload]
+            vocab_size=int(config["vocab_size"]),
             dtype=dtype,
         )
-        self.eps = float(config.get("rms_norm_eps", 1e-6))  # type: ignore[arg-type]
+        self.eps = float(config.get("rms_norm_eps", 1e-6))
         self.scale = head_dim**-0.5
         self.rope = RotaryEmbedding(RopeConfig.from_hf_config(config, head_dim))
         self.w = {name: t.to(dtype) for name, t in weights.items()}

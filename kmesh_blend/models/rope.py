@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ class RopeConfig:
             raise ValueError(f"head_dim must be a positive even number, got {self.head_dim}")
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, object], head_dim: int) -> RopeConfig:
+    def from_hf_config(cls, config: Mapping[str, Any], head_dim: int) -> RopeConfig:
         """Read RoPE settings from a Hugging Face ``config.json`` dict.
 
         Accepts both spellings: ``rope_parameters`` (transformers ≥ 5) and the older
@@ -61,21 +62,19 @@ class RopeConfig:
             raise ValueError(f"rope parameters must be a mapping, got {params!r}")
         theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
         rope_type = params.get("rope_type", params.get("type", "default"))
-        kwargs: dict[str, object] = {}
+        kwargs: dict[str, Any] = {}
         if rope_type == "llama3":
             kwargs = {
-                "factor": float(params["factor"]),  # type: ignore[arg-type]
-                "low_freq_factor": float(params["low_freq_factor"]),  # type: ignore[arg-type]
-                "high_freq_factor": float(params["high_freq_factor"]),  # type: ignore[arg-type]
-                "original_max_position": int(
-                    params["original_max_position_embeddings"]  # type: ignore[call-overload]
-                ),
+                "factor": float(params["factor"]),
+                "low_freq_factor": float(params["low_freq_factor"]),
+                "high_freq_factor": float(params["high_freq_factor"]),
+                "original_max_position": int(params["original_max_position_embeddings"]),
             }
         return cls(
             head_dim=head_dim,
-            theta=float(theta),  # type: ignore[arg-type]
+            theta=float(theta),
             rope_type=str(rope_type),
-            **kwargs,  # type: ignore[arg-type]
+            **kwargs,
         )
 
 

@@ -42,4 +42,5 @@ def prompt_logprobs(output: Any) -> list[float]:
     ``output``: a ``RequestOutput`` of a request sampled with ``prompt_logprobs=0``.
     """
     ids = output.prompt_token_ids
-    return [float(entry[tok].logprob) for tok, entry in zip(ids[1:], output.prompt_logprobs[1:])]
+    pairs = zip(ids[1:], output.prompt_logprobs[1:], strict=True)
+    return [float(entry[tok].logprob) for tok, entry in pairs]

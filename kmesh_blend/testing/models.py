@@ -1,6 +1,6 @@
 """Small random-weight checkpoints for tests, examples and benchmarks, built on the fly.
 
-Each `ModelSpec` is turned into a Hugging Face checkpoint directory (``save_pretrained``, safetensors,
+Each `ModelSpec` becomes a Hugging Face checkpoint directory (``save_pretrained``, safetensors,
 plus the local tokenizer) by transformers' own model classes and initialisation under a fixed
 seed, and cached under `cache_dir()`; vLLM and `ReferenceModel` both load that directory.
 
@@ -49,7 +49,7 @@ class ModelSpec:
     vocab_size: int
     max_position: int = 4096
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, float] = field(default_factory=dict)  # e.g. llama3 parameters
+    rope_scaling: dict[str, float | str] = field(default_factory=dict)  # e.g. llama3 parameters
     init_std: float = 0.05
     seed: int = 0
 
@@ -123,7 +123,7 @@ def _hf_config(spec: ModelSpec, tokenizer):  # type: ignore[no-untyped-def]
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
     if spec.model_type not in classes:
         raise ValueError(f"model_type={spec.model_type!r}; valid: {sorted(classes)}")
-    rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": spec.rope_theta}
     rope.update(spec.rope_scaling)
     kwargs = dict(
         vocab_size=spec.vocab_size,

@@ -1,0 +1,68 @@
+"""Run every benchmark script in bench/ and collect its result (what `make bench` does).
+
+Each script's last printed line is one JSON object (CONTRACT.md). This runner saves it as
+``bench/results/<name>.json`` and rewrites README's results table between its markers, so the
+table only ever shows measured numbers. ``--quick`` passes ``--quick`` to every script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
+README = BENCH.parent / "README.md"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes, same code path")
+    args = parser.parse_args()
+    scripts = sorted(p for p in BENCH.glob("*.py") if p.name != "run_all.py" and p.name[0] != "_")
+    RESULTS.mkdir(exist_ok=True)
+    failed = []
+    for script in scripts:
+        print(f"== {script.name}", flush=True)
+        cmd = [sys.executable, str(script), *(["--quick"] if args.quick else [])]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        print(proc.stdout, end="")
+        lines = proc.stdout.strip().splitlines()
+        try:
+            result = json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError):
+            print(proc.stderr[-4000:], file=sys.stderr)
+            failed.append(script.name)
+            continue
+        (RESULTS / f"{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_readme_table()
+    if not scripts:
+        print("no benchmark scripts in bench/ yet")
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def write_readme_table() -> None:
+    """Regenerate README's results table from bench/results/*.json."""
+    rows = ["| benchmark | metric | value | goal | baseline | mode |", "|---|---|---|---|---|---|"]
+    for path in sorted(RESULTS.glob("*.json")):
+        r = json.loads(path.read_text())
+        mode = "quick" if r.get("quick") else "full"
+        rows.append(
+            f"| {r['name']} | {r['metric']} | {r['value']:.3g} {r.get('unit', '')} "
+            f"| {r.get('goal', '—')} | {r.get('baseline', '—')} | {mode} |"
+        )
+    if len(rows) == 2:
+        rows.append("| — | not measured yet | — | — | — | — |")
+    text = README.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    README.write_text(text[:start] + "\n" + "\n".join(rows) + "\n" + text[end:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
