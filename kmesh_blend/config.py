@@ -73,9 +73,11 @@ class KMeshConfig:
     check_layers: tuple[int, ...] = (1,)
     """Layers where KV deviation is measured: non-empty, non-negative, strictly increasing."""
     selection: Selection = "per_request"
-    """How recompute tokens are picked: per request, or collectively across the batch."""
+    """How recompute tokens are picked: per request (bit-identical across schedules), or one
+    selection per shared segment for the whole group of siblings (cheaper)."""
     schedule: Schedule = "layer_sync"
-    """How recompute is overlapped with loading: per layer in sync, or sequentially."""
+    """How a group of siblings is recomputed: layer l for every sibling before layer l+1, or one
+    request at a time."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
