@@ -1,0 +1,167 @@
+"""Selective recomputation (CacheBlend-style) of one request, one layer at a time.
+
+`RequestBlend` holds one request's state between layers, so the group scheduler can run layer l
+for every sibling before layer l+1. Per layer it:
+1. projects q/k/v for the tokens it currently computes and rotates them to their new positions;
+2. at a check layer, scores those reused tokens by the deviation of fresh from stored KV and
+   keeps the top share (private/gap tokens and the last prompt token are always kept);
+3. builds the layer's KV for all T tokens — fresh rows where computed, re-positioned stored rows
+   elsewhere — and lets the computed tokens attend over it causally;
+4. finishes the layer (o-proj + MLP) for the computed tokens only.
+
+Ratio 1.0 computes every token in every layer with the same shapes as `prefill`: bit-identical.
+Ratio 0 computes only private tokens and the last token: plain reuse.
+
+Everything a request computes depends only on its own tensors, with shapes that do not depend on
+its siblings, so a group gives the same bits in any schedule (CPU GEMMs are not batch-invariant).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kmesh_blend.blend.plan import BlendOptions, BlendRequest, check_ratios, keep_count, select_top
+from kmesh_blend.models.layerwise import LayerwiseModel, causal_mask
+from kmesh_blend.ops import token_deviation
+
+__all__ = ["BlendResult", "RequestBlend"]
+
+
+class BlendResult(NamedTuple):
+    """The blended prefill of one request.
+
+    keys / values: per layer [T, Hkv, D] (keys rotated at positions 0..T-1), what the paged KV
+    cache must hold. logits: [1, vocab] fp32 of the last prompt token. recomputed: [T] bool,
+    reused tokens that were recomputed through the last layer.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    logits: torch.Tensor
+    recomputed: torch.Tensor
+    num_reused: int
+    num_recomputed: int
+
+
+class RequestBlend:
+    """Per-request blend state. Call `step` for layers 0..L-1 in order, then `finish`.
+
+    ``borrowed``: [T] bool, reused tokens this request never computes itself (collective mode:
+    their rows come from the segment's leader). ``per_segment``: select the top share within each
+    segment instead of across all reused tokens.
+    """
+
+    def __init__(
+        self,
+        model: LayerwiseModel,
+        request: BlendRequest,
+        options: BlendOptions,
+        borrowed: torch.Tensor | None = None,
+        per_segment: bool = False,
+    ) -> None:
+        options.validate_for(model.shape.num_layers)
+        self.model, self.request, self.options = model, request, options
+        num_tokens = request.token_ids.numel()
+        self.positions = torch.arange(num_tokens, dtype=torch.int64)
+        self.reused = request.reused_mask
+        self.always = ~self.reused  # private and gap tokens
+        self.always[-1] = True  # the last prompt token's logits are the output
+        own = self.reused.clone() if borrowed is None else self.reused & ~borrowed
+        self.num_reused = int(self.reused.sum())
+        ratio = options.recompute_ratio
+        if ratio >= 1.0 or (ratio > 0.0 and bool(own.any())):
+            self.checks = self._check_plan(own, per_segment) if ratio < 1.0 else {}
+            computed = self.always | own
+        else:  # ratio 0, or nothing of our own to select from: plain reuse
+            self.checks = {}
+            computed = self.always.clone()
+        self.computed = computed.nonzero().squeeze(1)  # [n] int64, ascending
+        self.hidden = model.embed(request.token_ids[self.computed])
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def computes_everything(self) -> bool:
+        return self.computed.numel() == self.positions.numel()
+
+    @torch.no_grad()
+    def step(
+        self, layer: int, stored_k: torch.Tensor | None, stored_v: torch.Tensor | None
+    ) -> None:
+        """Run one layer. ``stored_k`` / ``stored_v``: [T, Hkv, D], this layer's stored KV already
+        re-positioned to this request's positions (rows of unreused tokens are ignored); None when
+        the request computes every token in this layer."""
+        m = self.model
+        q, k, v = m.project_qkv(layer, self.hidden)
+        pos = self.positions[self.computed]
+        q, k = m.rope.apply(q, pos), m.rope.apply(k, pos)
+        if layer in self.checks and stored_k is not None and stored_v is not None:
+            keep = self._select(layer, k, v, stored_k, stored_v)
+            q, k, v, self.hidden = q[keep], k[keep], v[keep], self.hidden[keep]
+            self.computed = self.computed[keep]
+            pos = self.positions[self.computed]
+        if self.computes_everything:
+            layer_k, layer_v = k, v
+        else:
+            if stored_k is None or stored_v is None:
+                raise ValueError(f"layer {layer}: stored KV is required for reused tokens")
+            layer_k, layer_v = stored_k.clone(), stored_v.clone()
+            layer_k[self.computed], layer_v[self.computed] = k, v
+        attn = m.attend(q, layer_k, layer_v, causal_mask(pos, self.positions))
+        self.hidden = m.finish_layer(layer, self.hidden, attn)
+        self.keys.append(layer_k)
+        self.values.append(layer_v)
+
+    @torch.no_grad()
+    def finish(self) -> BlendResult:
+        if len(self.keys) != self.model.shape.num_layers:
+            raise RuntimeError(f"finish() after {len(self.keys)} of {self.model.shape.num_layers}")
+        recomputed = torch.zeros_like(self.reused)
+        recomputed[self.computed] = True
+        recomputed &= self.reused
+        logits = self.model.logits(self.hidden[-1:])
+        return BlendResult(
+            self.keys, self.values, logits, recomputed, self.num_reused, int(recomputed.sum())
+        )
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _check_plan(self, own: torch.Tensor, per_segment: bool) -> dict[int, list[tuple]]:
+        """Check layer → list of (candidate mask [T] bool, tokens to keep) groups."""
+        groups = [own & self._span_mask(u.start, u.end) for u in self.request.uses]
+        if not per_segment:
+            groups = [own]
+        ratios = check_ratios(self.options.recompute_ratio, len(self.options.check_layers))
+        return {
+            layer: [(g, keep_count(r, int(g.sum()))) for g in groups if bool(g.any())]
+            for layer, r in zip(self.options.check_layers, ratios, strict=True)
+        }
+
+    def _span_mask(self, start: int, end: int) -> torch.Tensor:
+        mask = torch.zeros_like(self.reused)
+        mask[start:end] = True
+        return mask
+
+    def _select(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        stored_k: torch.Tensor,
+        stored_v: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rows of the computed set to keep after this check layer: [n'] int64 into computed."""
+        kind = self.options.deviation
+        backend = self.options.backend
+        score = torch.zeros(self.computed.numel(), dtype=torch.float32)
+        if kind in ("k", "kv"):
+            score += token_deviation(k, stored_k[self.computed], backend)
+        if kind in ("v", "kv"):
+            score += token_deviation(v, stored_v[self.computed], backend)
+        keep = self.always[self.computed].clone()
+        for candidates, count in self.checks[layer]:
+            rows = candidates[self.computed].nonzero().squeeze(1)
+            keep[rows[select_top(score[rows], count)]] = True
+        return keep.nonzero().squeeze(1)

@@ -1,0 +1,132 @@
+"""What to blend and how: requests with their segment spans, options, and token selection.
+
+Plain Python/torch (no model, no vLLM): unit-testable in milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+
+from kmesh_blend.config import KMeshConfig, Schedule, Selection
+from kmesh_blend.ops import Backend
+
+__all__ = [
+    "BlendOptions",
+    "BlendRequest",
+    "Deviation",
+    "SegmentUse",
+    "check_ratios",
+    "keep_count",
+    "select_top",
+]
+
+Deviation = Literal["k", "v", "kv"]
+
+
+class SegmentUse(NamedTuple):
+    """A stored segment placed at the half-open token span [start, end) of a prompt."""
+
+    start: int
+    end: int
+    segment_id: str
+
+
+@dataclass(frozen=True)
+class BlendRequest:
+    """One prompt to prefill: ``token_ids`` [T] int64 and its reused segment spans.
+
+    Spans must be non-empty, sorted, non-overlapping and inside the prompt. Tokens outside every
+    span (private and gap tokens) are always computed.
+    """
+
+    token_ids: torch.Tensor
+    uses: tuple[SegmentUse, ...] = ()
+
+    def __post_init__(self) -> None:
+        t = self.token_ids
+        if t.dim() != 1 or t.numel() == 0 or t.dtype != torch.int64:
+            raise ValueError(f"token_ids must be a non-empty [T] int64 tensor, got {t.shape}")
+        prev_end = 0
+        for use in self.uses:
+            if not (prev_end <= use.start < use.end <= t.numel()):
+                raise ValueError(
+                    f"segment span {use[:2]} must be non-empty, sorted, non-overlapping "
+                    f"and within [0, {t.numel()}]"
+                )
+            prev_end = use.end
+
+    @property
+    def reused_mask(self) -> torch.Tensor:
+        """[T] bool: True for tokens covered by a stored segment."""
+        mask = torch.zeros(self.token_ids.numel(), dtype=torch.bool)
+        for use in self.uses:
+            mask[use.start : use.end] = True
+        return mask
+
+
+@dataclass(frozen=True)
+class BlendOptions:
+    """How to blend (the executor's view of `KMeshConfig`).
+
+    ``check_layers`` with one layer is the released CacheBlend code's scheme (select once);
+    with several it is the paper's gradual filtering: the kept share shrinks at each check layer
+    down to ``recompute_ratio`` at the last one (see `check_ratios`).
+    """
+
+    recompute_ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    deviation: Deviation = "k"
+    selection: Selection = "per_request"
+    schedule: Schedule = "layer_sync"
+    backend: Backend = "auto"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio={self.recompute_ratio} must be in [0, 1]")
+        if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
+            raise ValueError(f"check_layers={self.check_layers} must be non-empty and increasing")
+        if self.deviation not in ("k", "v", "kv"):
+            raise ValueError(f"deviation={self.deviation!r}; valid: 'k', 'v', 'kv'")
+
+    @classmethod
+    def from_config(cls, config: KMeshConfig, **overrides: object) -> BlendOptions:
+        fields: dict[str, object] = {
+            "recompute_ratio": config.recompute_ratio,
+            "check_layers": tuple(config.check_layers),
+            "selection": config.selection,
+            "schedule": config.schedule,
+        }
+        fields.update(overrides)
+        return cls(**fields)  # type: ignore[arg-type]
+
+    def validate_for(self, num_layers: int) -> None:
+        if self.check_layers[-1] >= num_layers:
+            raise ValueError(f"check_layers={self.check_layers} beyond the model's {num_layers}")
+
+
+def check_ratios(ratio: float, num_checks: int) -> list[float]:
+    """Kept share of reused tokens after each of ``num_checks`` check layers.
+
+    Linear from (1 − 1/K) toward ``ratio``: K = 1 gives [ratio]; K = 3, ratio 0.15 gives
+    [0.717, 0.433, 0.15]. Always non-increasing and ending at ``ratio``.
+    """
+    k = num_checks
+    return [ratio + (1.0 - ratio) * (k - i) / k for i in range(1, k + 1)]
+
+
+def keep_count(ratio: float, num_tokens: int) -> int:
+    """round(ratio × num_tokens), halves rounded up, clamped to [0, num_tokens]."""
+    return max(0, min(num_tokens, math.floor(ratio * num_tokens + 0.5)))
+
+
+def select_top(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` largest ``scores`` ([n] fp32), ascending.
+
+    Ties go to the lower index (stable sort), so the choice is deterministic.
+    """
+    order = torch.sort(scores, descending=True, stable=True).indices[:count]
+    return torch.sort(order).values

@@ -1,0 +1,11 @@
+"""Public kernel ops (launchers with validation and backend dispatch) and their references."""
+
+from kmesh_blend.ops.launch import (
+    Backend,
+    gather_paged,
+    reposition_keys,
+    scatter_paged,
+    token_deviation,
+)
+
+__all__ = ["Backend", "gather_paged", "reposition_keys", "scatter_paged", "token_deviation"]
