@@ -100,7 +100,7 @@ def gather_paged(
     cache: torch.Tensor, slots: torch.Tensor, block_size: int, backend: Backend = "auto"
 ) -> torch.Tensor:
     """Read rows at ``slots`` [n] int64 from a ``[block, head, offset, dim]`` view → [n, Hkv, D]."""
-    blocks, heads, _, d = cache.shape
+    _, heads, _, d = cache.shape
     rows = torch.empty(slots.shape[0], heads, d, dtype=cache.dtype, device=cache.device)
     _check_paged(rows, cache, slots, block_size)
     if _use_triton(backend, cache):
