@@ -1,0 +1,48 @@
+"""Shared helpers of the benchmark scripts: timing, the final JSON line, and the PNG plot."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def best_of(fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall time (s) of ``repeats`` calls after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def plot_bars(name: str, labels: list[str], seconds: list[float], title: str) -> Path:
+    """Write ``bench/results/<name>.png``: one bar per configuration (seconds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    RESULTS.mkdir(exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    bars = ax.bar(labels, seconds, color="#4878a8")
+    ax.bar_label(bars, labels=[f"{s:.2f}s" for s in seconds])
+    ax.set_ylabel("seconds")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def emit(result: dict[str, Any]) -> None:
+    """Print the contract's last line: one JSON object."""
+    print(json.dumps(result), flush=True)
