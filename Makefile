@@ -13,9 +13,11 @@ demo: install
 	$(PY) examples/demo.py
 
 test: install
+	@bash scripts/services.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bitexact: install
+	@bash scripts/services.sh
 	$(PY) -m pytest tests/bitexact $(PYTEST_ARGS)
 
 bench: install

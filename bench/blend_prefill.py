@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import best_of, emit, plot_bars  # noqa: E402
+from _common import best_of, emit, plot_bars
 
-from kmesh_blend.blend import (  # noqa: E402
+from kmesh_blend.blend import (
     BlendOptions,
     BlendRequest,
     DenseSegmentSource,
@@ -27,8 +27,8 @@ from kmesh_blend.blend import (  # noqa: E402
     blend_one,
     segment_kv_from_prefill,
 )
-from kmesh_blend.models import ReferenceModel, prefill  # noqa: E402
-from kmesh_blend.testing import BENCH_LLAMA, build_checkpoint  # noqa: E402
+from kmesh_blend.models import ReferenceModel, prefill
+from kmesh_blend.testing import BENCH_LLAMA, build_checkpoint
 
 RATIOS = (0.05, 0.15, 0.3)
 

@@ -10,11 +10,12 @@ import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, NoReturn, cast, get_args
+from typing import Literal, NamedTuple, NoReturn, get_args
 
 StoreKind = Literal["cpu", "disk", "lm", "redis"]
 Selection = Literal["per_request", "collective"]
 Schedule = Literal["layer_sync", "sequential"]
+Deviation = Literal["k", "v", "kv"]
 
 PREFIX = "kmesh."
 KNOWN_KEYS: tuple[str, ...] = (
@@ -23,6 +24,12 @@ KNOWN_KEYS: tuple[str, ...] = (
     "kmesh.check_layers",
     "kmesh.selection",
     "kmesh.schedule",
+    "kmesh.deviation",
+    "kmesh.round_lifetime",
+    "kmesh.retention_bytes",
+    "kmesh.singleflight_timeout_s",
+    "kmesh.separator",
+    "kmesh.store_cpu_bytes",
 )
 
 
@@ -78,6 +85,18 @@ class KMeshConfig:
     schedule: Schedule = "layer_sync"
     """How a group of siblings is recomputed: layer l for every sibling before layer l+1, or one
     request at a time."""
+    deviation: Deviation = "k"
+    """What a check layer compares between fresh and stored rows: keys, values, or both."""
+    round_lifetime: int = 2
+    """Rounds a published segment stays in the index unless pinned by an active family (≥ 1)."""
+    retention_bytes: int = 1 << 30
+    """Host-RAM budget (bytes) for restored masters kept for their family/round (≥ 0)."""
+    singleflight_timeout_s: float = 10.0
+    """Longest wait (s) for another request's read of the same segment before recomputing."""
+    separator: tuple[int, ...] = ()
+    """Token ids that split prompts into segments (separator mode); empty = off."""
+    store_cpu_bytes: int = 1 << 30
+    """LMCache host-RAM pool (bytes): the store itself for ``cpu``, staging for the others."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +105,15 @@ class KMeshConfig:
         object.__setattr__(self, "check_layers", _check_layers(self.check_layers))
         object.__setattr__(self, "selection", _check_choice("kmesh.selection", self.selection))
         object.__setattr__(self, "schedule", _check_choice("kmesh.schedule", self.schedule))
+        object.__setattr__(self, "deviation", _check_choice("kmesh.deviation", self.deviation))
+        _check_int("kmesh.round_lifetime", self.round_lifetime, minimum=1)
+        _check_int("kmesh.retention_bytes", self.retention_bytes, minimum=0)
+        _check_int("kmesh.store_cpu_bytes", self.store_cpu_bytes, minimum=1)
+        timeout = self.singleflight_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            _fail("kmesh.singleflight_timeout_s", timeout, "not a positive number", "seconds > 0")
+        object.__setattr__(self, "singleflight_timeout_s", float(timeout))
+        object.__setattr__(self, "separator", _check_separator(self.separator))
 
     @property
     def store_spec(self) -> StoreSpec:
@@ -108,19 +136,8 @@ class KMeshConfig:
                     f"unknown key {key!r}={ours[key]!r}{hint}; known keys: {', '.join(KNOWN_KEYS)}",
                     key=key,
                 )
-        d = cls()  # defaults, for keys not given
-        store = ours.get("kmesh.store", d.store)
-        if not isinstance(store, str):
-            _fail("kmesh.store", store, "not a string", _STORE_VALID)
-        selection = _check_choice("kmesh.selection", ours.get("kmesh.selection", d.selection))
-        schedule = _check_choice("kmesh.schedule", ours.get("kmesh.schedule", d.schedule))
-        return cls(
-            store=store,
-            recompute_ratio=_check_ratio(ours.get("kmesh.recompute_ratio", d.recompute_ratio)),
-            check_layers=_check_layers(ours.get("kmesh.check_layers", d.check_layers)),
-            selection=cast(Selection, selection),
-            schedule=cast(Schedule, schedule),
-        )
+        # Values are validated (and normalized) once, by __post_init__.
+        return cls(**{key[len(PREFIX) :]: value for key, value in ours.items()})  # type: ignore[arg-type]
 
     def validate_for_model(self, num_layers: int) -> None:
         """Check that every ``check_layers`` entry exists in a model of ``num_layers`` layers."""
@@ -143,6 +160,12 @@ class KMeshConfig:
             "kmesh.check_layers": list(self.check_layers),
             "kmesh.selection": self.selection,
             "kmesh.schedule": self.schedule,
+            "kmesh.deviation": self.deviation,
+            "kmesh.round_lifetime": self.round_lifetime,
+            "kmesh.retention_bytes": self.retention_bytes,
+            "kmesh.singleflight_timeout_s": self.singleflight_timeout_s,
+            "kmesh.separator": list(self.separator),
+            "kmesh.store_cpu_bytes": self.store_cpu_bytes,
         }
 
 
@@ -157,6 +180,7 @@ _LAYERS_VALID = (
 _CHOICES: dict[str, tuple[str, ...]] = {
     "kmesh.selection": get_args(Selection),
     "kmesh.schedule": get_args(Schedule),
+    "kmesh.deviation": get_args(Deviation),
 }
 
 
@@ -217,3 +241,23 @@ def _check_choice(key: str, value: object) -> str:
     if not isinstance(value, str) or value not in choices:
         _fail(key, value, "unknown choice", "one of " + ", ".join(repr(c) for c in choices))
     return value
+
+
+def _check_int(key: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _fail(key, value, f"not an int ≥ {minimum}", f"an int ≥ {minimum}")
+
+
+def _check_separator(value: object) -> tuple[int, ...]:
+    key, valid = "kmesh.separator", "a list of token ids (non-negative ints), or '' / [] for off"
+    if isinstance(value, str):
+        try:
+            value = [int(part) for part in value.split(",")] if value.strip() else []
+        except ValueError:
+            _fail(key, value, "not a comma-separated list of ints", valid)
+    if not isinstance(value, list | tuple):
+        _fail(key, value, "not a list", valid)
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            _fail(key, value, f"entry {item!r} is not a token id", valid)
+    return tuple(value)

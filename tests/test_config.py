@@ -49,11 +49,25 @@ def test_round_trip() -> None:
         "kmesh.check_layers": [0, 2, 5],
         "kmesh.selection": "collective",
         "kmesh.schedule": "sequential",
+        "kmesh.deviation": "k",
+        "kmesh.round_lifetime": 2,
+        "kmesh.retention_bytes": 1 << 30,
+        "kmesh.singleflight_timeout_s": 10.0,
+        "kmesh.separator": [],
+        "kmesh.store_cpu_bytes": 1 << 30,
     }
     back = KMeshConfig.from_extra_config(extra)
     assert back == cfg
     assert back.store_spec == StoreSpec("redis", None, "cache.local", 6379)
     assert KMeshConfig().to_extra_config() == KMeshConfig.from_extra_config(None).to_extra_config()
+
+
+def test_extended_keys_parse() -> None:
+    cfg = KMeshConfig.from_extra_config(
+        {"kmesh.separator": "13, 10", "kmesh.deviation": "kv", "kmesh.singleflight_timeout_s": 2}
+    )
+    assert cfg.separator == (13, 10) and cfg.deviation == "kv"
+    assert cfg.singleflight_timeout_s == 2.0 and isinstance(cfg.singleflight_timeout_s, float)
 
 
 def test_from_extra_config_values() -> None:
@@ -100,6 +114,12 @@ VALID = {
     "kmesh.selection": "'per_request', 'collective'",
     "kmesh.schedule": "'layer_sync', 'sequential'",
     "kmesh.store": "'disk:///ABS/PATH', 'lm://HOST:PORT' or 'redis://HOST:PORT'",
+    "kmesh.deviation": "'k', 'v', 'kv'",
+    "kmesh.round_lifetime": "an int ≥ 1",
+    "kmesh.retention_bytes": "an int ≥ 0",
+    "kmesh.store_cpu_bytes": "an int ≥ 1",
+    "kmesh.singleflight_timeout_s": "seconds > 0",
+    "kmesh.separator": "a list of token ids",
 }
 R, L, SEL, SCH, ST = (
     "kmesh.recompute_ratio",
@@ -139,6 +159,17 @@ R, L, SEL, SCH, ST = (
         (ST, "redis://h:0"),
         (ST, "redis://h:99999"),
         (ST, "redis://h:port"),
+        ("kmesh.deviation", "q"),
+        ("kmesh.round_lifetime", 0),
+        ("kmesh.round_lifetime", 1.5),
+        ("kmesh.retention_bytes", -1),
+        ("kmesh.retention_bytes", True),
+        ("kmesh.store_cpu_bytes", 0),
+        ("kmesh.singleflight_timeout_s", 0),
+        ("kmesh.singleflight_timeout_s", "10"),
+        ("kmesh.separator", [-1]),
+        ("kmesh.separator", "a,b"),
+        ("kmesh.separator", 7),
     ],
     ids=repr,
 )

@@ -61,6 +61,10 @@ def test_reposition_matches_lmcache_torch_fallback(rope: RopeConfig) -> None:
     """Independent cross-check: LMCache 0.5.6's undo/redo RoPE fallback, fed our frequencies."""
     from lmcache.v1.platform.torch_ops.pos_kernels import rotary_embedding_k_fused
 
+    from kmesh_blend.compat import guard_llvmlite
+
+    guard_llvmlite()  # this import loads llvmlite; later vLLM starts in this process
+
     r = RotaryEmbedding(rope)
     angles = torch.arange(4096, dtype=torch.float32)[:, None] * r.inv_freq[None, :]
     cos_sin_cache = torch.cat((angles.cos(), angles.sin()), dim=-1)  # [positions, D]

@@ -41,3 +41,21 @@ def test_vllm_matches_reference(spec: ModelSpec) -> None:
         ours = torch.tensor([float(scores[i, ids[i + 1]]) for i in range(len(ids) - 1)])
         theirs = torch.tensor(prompt_logprobs(out))
         torch.testing.assert_close(theirs, ours, rtol=0, atol=LOGPROB_ATOL)
+
+
+def test_vllm_starts_after_lmcache_import() -> None:
+    """LMCache (through numba/llvmlite) must not break vLLM's start in the same process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']='0'\n"
+        "import lmcache.v1.platform.torch_ops.pos_kernels\n"
+        "from kmesh_blend.compat import guard_llvmlite; guard_llvmlite()\n"
+        "from kmesh_blend.testing import TINY_LLAMA, build_checkpoint\n"
+        "from kmesh_blend.testing.engine import make_llm\n"
+        "llm = make_llm(build_checkpoint(TINY_LLAMA))\n"
+        "print('STARTED')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "STARTED" in proc.stdout, proc.stderr[-3000:]

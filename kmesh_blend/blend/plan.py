@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from kmesh_blend.config import KMeshConfig, Schedule, Selection
+from kmesh_blend.config import Deviation, KMeshConfig, Schedule, Selection
 from kmesh_blend.ops import Backend
 
 __all__ = [
@@ -23,8 +23,6 @@ __all__ = [
     "keep_count",
     "select_top",
 ]
-
-Deviation = Literal["k", "v", "kv"]
 
 
 class SegmentUse(NamedTuple):
@@ -99,6 +97,7 @@ class BlendOptions:
             "check_layers": tuple(config.check_layers),
             "selection": config.selection,
             "schedule": config.schedule,
+            "deviation": config.deviation,
         }
         fields.update(overrides)
         return cls(**fields)  # type: ignore[arg-type]

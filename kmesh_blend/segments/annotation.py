@@ -1,0 +1,247 @@
+"""Parse and validate the per-request ``kv_transfer_params["kmesh"]`` annotation.
+
+A request names its shared segments as half-open token spans of its prompt (CONTRACT.md)::
+
+    {"kmesh": {"segments": [[start, end], ...], "family": "doc-42", "round": 0,
+               "prepare": false}}
+
+or, for clients that cannot send parameters, a configured separator token sequence splits the
+prompt (`split_on_separator`). `parse_request` is what the engine side calls: it never raises;
+a bad annotation yields ``annotation=None`` and a ``fallback`` message, and the request runs
+without reuse (never with doubtful KV, never a crashed engine). `validate_spans` is the strict
+form and raises `AnnotationError` with a message naming the field, the bad value and what is valid.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+__all__ = [
+    "KNOWN_FIELDS",
+    "MAX_FAMILY_LEN",
+    "Annotation",
+    "AnnotationError",
+    "ParsedRequest",
+    "Span",
+    "parse_annotation",
+    "parse_request",
+    "split_on_separator",
+    "validate_spans",
+]
+
+Span = tuple[int, int]
+"""A half-open token span ``(start, end)`` of the prompt, ``0 <= start < end <= num_tokens``."""
+
+KNOWN_FIELDS: tuple[str, ...] = ("segments", "family", "round", "prepare")
+MAX_FAMILY_LEN = 256
+_SPANS_VALID = (
+    "a non-empty list of [start, end] int pairs, 0 <= start < end <= prompt length, "
+    "sorted by start and not overlapping"
+)
+
+
+class AnnotationError(ValueError):
+    """A bad kmesh annotation; ``field`` names the offending key (e.g. ``segments[2]``)."""
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Annotation:
+    """A validated annotation of one request.
+
+    ``spans`` are sorted, non-overlapping and non-empty, each within the prompt.
+    """
+
+    spans: tuple[Span, ...]
+    family: str | None = None
+    round: int | None = None
+    prepare: bool = False
+    """Application notice: prepare the family's segments now (see `kmesh_blend.segments.notice`)."""
+    source: Literal["params", "separator"] = "params"
+
+    @property
+    def num_shared_tokens(self) -> int:
+        """Tokens covered by the spans."""
+        return sum(end - start for start, end in self.spans)
+
+
+class ParsedRequest(NamedTuple):
+    """Outcome of `parse_request`: an annotation, or ``None`` with (maybe) a fallback reason.
+
+    ``annotation is None and fallback is None``: the request is simply not annotated.
+    """
+
+    annotation: Annotation | None
+    fallback: str | None
+
+
+def parse_request(
+    kv_transfer_params: object,
+    num_tokens: int,
+    *,
+    max_model_len: int,
+    token_ids: Sequence[int] | None = None,
+    separator: Sequence[int] | None = None,
+) -> ParsedRequest:
+    """Engine-side entry point; **never raises**.
+
+    ``kv_transfer_params``: the request's dict (or ``None``); only its ``"kmesh"`` entry is read.
+    ``token_ids`` [num_tokens] and ``separator`` are used only when there is no ``"kmesh"`` entry
+    and a separator is configured (separator mode).
+    """
+    try:
+        kmesh = None
+        if isinstance(kv_transfer_params, Mapping):
+            kmesh = kv_transfer_params.get("kmesh")
+        elif kv_transfer_params is not None:
+            bad = f"kv_transfer_params={kv_transfer_params!r} is not a dict"
+            raise AnnotationError(bad, field="kv_transfer_params")
+        if kmesh is not None:
+            return ParsedRequest(parse_annotation(kmesh, num_tokens, max_model_len), None)
+        if separator and token_ids is not None:
+            if len(token_ids) != num_tokens:
+                raise AnnotationError(
+                    f"token_ids has {len(token_ids)} tokens, prompt has {num_tokens}",
+                    field="token_ids",
+                )
+            spans = split_on_separator(token_ids, separator)
+            if not spans:
+                return ParsedRequest(None, None)
+            validate_spans(spans, num_tokens, max_model_len)
+            return ParsedRequest(Annotation(spans, source="separator"), None)
+        return ParsedRequest(None, None)
+    except AnnotationError as exc:
+        return ParsedRequest(None, f"bad annotation: {exc}")
+    except Exception as exc:  # never let a client's input crash the engine
+        return ParsedRequest(None, f"annotation not understood: {type(exc).__name__}: {exc}")
+
+
+def parse_annotation(kmesh: object, num_tokens: int, max_model_len: int) -> Annotation:
+    """Validate the ``kv_transfer_params["kmesh"]`` dict; raises `AnnotationError`."""
+    if not isinstance(kmesh, Mapping):
+        raise AnnotationError(
+            f"kmesh={kmesh!r} is not a dict; valid: {{'segments': [[start, end], ...], ...}}",
+            field="kmesh",
+        )
+    unknown = sorted(str(k) for k in kmesh if k not in KNOWN_FIELDS)
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown)
+        raise AnnotationError(
+            f"unknown key(s) {names}; known: {', '.join(KNOWN_FIELDS)}", field=unknown[0]
+        )
+    if "segments" not in kmesh:
+        raise AnnotationError(f"missing 'segments'; valid: {_SPANS_VALID}", field="segments")
+    spans = validate_spans(kmesh["segments"], num_tokens, max_model_len)
+    family = kmesh.get("family")
+    if family is not None and (
+        not isinstance(family, str) or not family or len(family) > MAX_FAMILY_LEN
+    ):
+        raise AnnotationError(
+            f"family={family!r}; valid: a non-empty string of at most {MAX_FAMILY_LEN} chars",
+            field="family",
+        )
+    round_ = kmesh.get("round")
+    if round_ is not None and (not _is_int(round_) or round_ < 0):
+        raise AnnotationError(f"round={round_!r}; valid: an int >= 0", field="round")
+    prepare = kmesh.get("prepare", False)
+    if not isinstance(prepare, bool):
+        raise AnnotationError(f"prepare={prepare!r}; valid: true or false", field="prepare")
+    if prepare and family is None:
+        raise AnnotationError("prepare=true needs a 'family' to prepare", field="prepare")
+    return Annotation(spans, family, round_, prepare)
+
+
+def validate_spans(spans: object, num_tokens: int, max_model_len: int) -> tuple[Span, ...]:
+    """Check ``spans`` against a prompt of ``num_tokens``; return them as a tuple of int pairs.
+
+    Raises `AnnotationError` for: not a list, empty list, an entry that is not a pair of ints
+    (bools and floats are rejected), an empty or reversed span, a span outside the prompt,
+    unsorted or overlapping spans, or a prompt longer than ``max_model_len``.
+    """
+    if not _is_int(num_tokens) or num_tokens < 0:
+        raise AnnotationError(f"prompt length {num_tokens!r} is not an int >= 0", field="prompt")
+    if num_tokens > max_model_len:
+        raise AnnotationError(
+            f"prompt has {num_tokens} tokens, longer than the model's max length {max_model_len}",
+            field="prompt",
+        )
+    if isinstance(spans, str | bytes) or not isinstance(spans, Sequence):
+        raise AnnotationError(f"segments={spans!r}; valid: {_SPANS_VALID}", field="segments")
+    if not spans:
+        raise AnnotationError(f"segments is empty; valid: {_SPANS_VALID}", field="segments")
+    out: list[Span] = []
+    for i, item in enumerate(spans):
+        where = f"segments[{i}]"
+        if (
+            isinstance(item, str | bytes)
+            or not isinstance(item, Sequence)
+            or len(item) != 2
+            or not all(_is_int(x) for x in item)
+        ):
+            raise AnnotationError(f"{where}={item!r} is not a [start, end] int pair", field=where)
+        start, end = operator.index(item[0]), operator.index(item[1])
+        if start >= end:
+            raise AnnotationError(
+                f"{where}=[{start}, {end}] is empty or reversed (start must be < end)", field=where
+            )
+        if start < 0 or end > num_tokens:
+            raise AnnotationError(
+                f"{where}=[{start}, {end}] is outside the prompt of {num_tokens} tokens "
+                f"(valid: 0 <= start < end <= {num_tokens})",
+                field=where,
+            )
+        if out and start < out[-1][0]:
+            raise AnnotationError(
+                f"{where}=[{start}, {end}] starts before segments[{i - 1}]={list(out[-1])}: "
+                "spans must be sorted by start",
+                field=where,
+            )
+        if out and start < out[-1][1]:
+            raise AnnotationError(
+                f"{where}=[{start}, {end}] overlaps segments[{i - 1}]={list(out[-1])}",
+                field=where,
+            )
+        out.append((start, end))
+    return tuple(out)
+
+
+def split_on_separator(token_ids: Sequence[int], separator: Sequence[int]) -> tuple[Span, ...]:
+    """Separator mode: spans of the non-empty pieces that are *followed* by ``separator``.
+
+    ``"P <sep> D <sep> Q"`` gives the spans of ``P`` and ``D``; the piece after the last
+    separator (the question, which holds the prompt's last token) stays private. Separator
+    tokens themselves belong to no span. Occurrences do not overlap (scanned left to right).
+    """
+    sep = list(separator)
+    if not sep:
+        raise ValueError("separator must be a non-empty token sequence")
+    ids = list(token_ids)
+    n, m = len(ids), len(sep)
+    spans: list[Span] = []
+    piece_start = i = 0
+    while i + m <= n:
+        if ids[i : i + m] == sep:
+            if i > piece_start:
+                spans.append((piece_start, i))
+            i += m
+            piece_start = i
+        else:
+            i += 1
+    return tuple(spans)
+
+
+def _is_int(x: object) -> bool:
+    """True for ints (numpy ints included, via ``__index__``); False for bools and floats."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True

@@ -1,0 +1,200 @@
+"""`SegmentCache`: the segment layer as the blend sees it — index, store, singleflight, retention
+and metrics behind ``publish`` / ``fetch``.
+
+A fetch is served, in order, from: host-RAM retention (no read), an in-flight read of the same
+segment (singleflight: join it, no read), or one read from the backing store (which is then
+retained for the family's or round's lifetime). Failures never raise: a fetch that cannot be
+served returns ``master=None`` with ``source="miss"`` (not stored) or ``"fallback"`` (load error
+or timeout) and the request recomputes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+from kmesh_blend.segments.identity import SegmentId
+from kmesh_blend.segments.index import SegmentIndex, SegmentInfo, SegmentState
+from kmesh_blend.segments.metrics import SegmentMetrics
+from kmesh_blend.segments.retention import RetentionPool
+from kmesh_blend.segments.singleflight import SingleFlight, SingleFlightTimeout
+
+if TYPE_CHECKING:
+    import torch
+
+    from kmesh_blend.segments.master import Master
+    from kmesh_blend.segments.store import MasterStore
+
+__all__ = ["FetchResult", "SegmentCache"]
+
+log = logging.getLogger(__name__)
+
+Source = Literal["retained", "read", "joined", "miss", "fallback"]
+
+
+class FetchResult(NamedTuple):
+    master: Master | None
+    """Shared, read-only ``Master`` (kv ``[L, 2, T, Hkv, D]``, positions ``[T]``), or None."""
+    source: Source
+    reads: int
+    """Reads from the backing tier this call performed itself (0 or 1)."""
+
+
+class SegmentCache:
+    """Thread-safe front of one `MasterStore`."""
+
+    def __init__(
+        self,
+        store: MasterStore,
+        *,
+        index: SegmentIndex | None = None,
+        retention_bytes: int = 1 << 30,
+        singleflight: bool = True,
+        retain: bool = True,
+        timeout_s: float = 10.0,
+        metrics: SegmentMetrics | None = None,
+    ) -> None:
+        self.store = store
+        self.index = index if index is not None else SegmentIndex()
+        self.metrics = metrics if metrics is not None else SegmentMetrics()
+        self.retain = retain
+        self.retention: RetentionPool[SegmentId, Master] = RetentionPool(
+            retention_bytes, on_evict=self._on_evict
+        )
+        self._flight: SingleFlight[SegmentId, Master | None] | None = (
+            SingleFlight(timeout_s=timeout_s) if singleflight else None
+        )
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def publish(
+        self,
+        segment_id: SegmentId,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        round: int | None = None,
+        family: str | None = None,
+    ) -> bool:
+        """Store a master and register it (kv ``[L, 2, T, Hkv, D]``, positions ``[T]`` int64).
+
+        The publisher's copy is retained (pinned by ``family``), so its siblings read nothing.
+        """
+        from kmesh_blend.segments.master import Master
+
+        if not self.store.put(segment_id, kv, positions):
+            return False
+        master = Master(kv, positions)
+        retained = self.retain and self.retention.put(
+            segment_id, master, master.nbytes, owner=family
+        )
+        self.index.publish(
+            segment_id,
+            master.num_tokens,
+            position_offset=int(positions[0]),
+            round=round,
+            family=family,
+            nbytes=master.nbytes,
+            state=SegmentState.READY if retained else SegmentState.COLD,
+        )
+        self._sync_gauge()
+        return True
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def fetch(self, segment_id: SegmentId, *, family: str | None = None) -> FetchResult:
+        """The master of ``segment_id`` (see the module docstring for the order). Never raises."""
+        master = self.retention.get(segment_id) if self.retain else None
+        if master is not None:
+            if family is not None:
+                self.retention.pin(segment_id, family)
+            self.metrics.hit()
+            return FetchResult(master, "retained", 0)
+        try:
+            if self._flight is None:
+                master, leader = self._load(segment_id, family), True
+            else:
+                out = self._flight.do(segment_id, lambda: self._load(segment_id, family))
+                master, leader = out.value, out.leader
+                if not leader:
+                    self.metrics.join()
+                    if master is not None and family is not None:
+                        self.retention.pin(segment_id, family)
+        except SingleFlightTimeout:
+            self.metrics.fallback("load_timeout")
+            return FetchResult(None, "fallback", 0)
+        except Exception as exc:  # SingleFlightError, or the loader's own error
+            log.warning("kmesh: fetch of %s… failed: %s", segment_id[:12], exc)
+            self.metrics.fallback("load_error")
+            return FetchResult(None, "fallback", 1 if self._flight is None else 0)
+        if master is None:
+            return FetchResult(None, "miss", 1 if leader else 0)
+        return FetchResult(master, "read" if leader else "joined", 1 if leader else 0)
+
+    def fetch_many(
+        self, segment_ids: Iterable[SegmentId], *, family: str | None = None
+    ) -> list[FetchResult]:
+        """`fetch` for every segment of a prompt; a miss does not stop the others."""
+        return [self.fetch(sid, family=family) for sid in segment_ids]
+
+    # -- lifetimes ----------------------------------------------------------------------------
+
+    def close_family(self, family: str) -> list[SegmentInfo]:
+        """The family is done: drop its pins; retire (and delete) what only it kept alive."""
+        self.retention.release_owner(family)
+        return self._drop(self.index.close_family(family))
+
+    def advance_round(self, to: int | None = None) -> list[SegmentInfo]:
+        """Next round: retire segments older than ``index.keep_rounds`` and delete their masters."""
+        return self._drop(self.index.advance_round(to))
+
+    def stats(self) -> dict[str, object]:
+        """`SegmentMetrics.as_dict` plus singleflight and retention counters."""
+        out: dict[str, object] = dict(self.metrics.as_dict())
+        out["retention"] = self.retention.stats()
+        out["singleflight"] = self._flight.stats() if self._flight is not None else {}
+        return out
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _load(self, segment_id: SegmentId, family: str | None) -> Master | None:
+        self._set_state(segment_id, SegmentState.LOADING)
+        try:
+            master = self.store.get(segment_id)
+        except BaseException:
+            self._set_state(segment_id, SegmentState.COLD)
+            raise
+        finally:
+            self.metrics.read(self.store.tier)
+        if master is None:
+            self.metrics.miss()
+            self._set_state(segment_id, SegmentState.COLD)
+            return None
+        retained = self.retain and self.retention.put(
+            segment_id, master, master.nbytes, owner=family
+        )
+        self._set_state(segment_id, SegmentState.READY if retained else SegmentState.COLD)
+        self._sync_gauge()
+        return master
+
+    def _drop(self, retired: list[SegmentInfo]) -> list[SegmentInfo]:
+        for info in retired:
+            self.retention.remove(info.segment_id)
+            self.store.delete(info.segment_id)
+        self._sync_gauge()
+        return retired
+
+    def _on_evict(self, segment_id: SegmentId, nbytes: int) -> None:
+        self.metrics.eviction()
+        self._set_state(segment_id, SegmentState.COLD)
+
+    def _set_state(self, segment_id: SegmentId, state: SegmentState) -> None:
+        if segment_id in self.index:
+            # retired meanwhile, or a concurrent transition: the index is advisory here
+            with contextlib.suppress(KeyError, ValueError):
+                self.index.set_state(segment_id, state)
+
+    def _sync_gauge(self) -> None:
+        self.metrics.set_retained_bytes(self.retention.retained_bytes)

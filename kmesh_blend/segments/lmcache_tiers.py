@@ -1,0 +1,190 @@
+"""Thin adapters over LMCache 0.5.6 storage backends: put / get / remove one memory object.
+
+Which LMCache classes are used, per ``kmesh.store`` kind:
+
+=========  ==================================================================================
+``cpu``    ``LocalCPUBackend`` (``local_cpu=True``): its allocator and hot cache *are* the
+           store; LMCache evicts LRU objects when its pool is full.
+``disk``   ``LocalDiskBackend`` (files under the path), with a ``LocalCPUBackend``
+           (``local_cpu=False``) as the staging allocator LMCache reads into.
+``lm``     ``LMCServerConnector`` to a ``python -m lmcache.v1.server HOST PORT cpu`` process.
+``redis``  ``RedisConnector`` to a Redis server.
+=========  ==================================================================================
+
+Remote connectors are async: they run on one private event loop thread per store. Not used:
+``StorageManager`` / ``LMCacheEngine`` (they chunk by LMCache's prefix token hashes and need a
+GPU connector; we store whole segments by our own content id), and ``RedisConnector.close`` (it
+deadlocks its own loop: we shut its executor down and close its client directly). Every call
+here is serialised by the caller (`kmesh_blend.segments.store`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import torch
+
+from kmesh_blend.config import StoreSpec
+from kmesh_blend.segments.master import MasterLayout
+
+__all__ = ["LMCacheTier", "make_key", "open_tier"]
+
+_CHUNK = 256  # LMCacheMetadata wants a chunk size; we never chunk, objects are whole segments
+_IO_TIMEOUT_S = 30.0
+
+
+def make_key(prefix: str, segment_hex: str, dtype: torch.dtype) -> Any:
+    """LMCache ``CacheEngineKey`` for one object: ``prefix@1@0@<segment hex>@<dtype>``.
+
+    The namespace (model, dtype, layout, RoPE, salt) is already inside the segment id, so the
+    key's model name is a short fixed prefix (LMCache's wire protocol caps keys at 150 chars).
+    """
+    from lmcache.utils import CacheEngineKey
+
+    return CacheEngineKey(prefix, 1, 0, int(segment_hex, 16), dtype)
+
+
+class LMCacheTier:
+    """One LMCache storage backend seen as a dict of memory objects."""
+
+    def __init__(
+        self,
+        spec: StoreSpec,
+        layout: MasterLayout,
+        *,
+        cpu_bytes: int,
+        disk_bytes: int = 8 << 30,
+    ) -> None:
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+        from kmesh_blend.compat import guard_llvmlite
+
+        guard_llvmlite()  # LMCache loaded llvmlite; keep vLLM's start-up scan working
+        self.kind = spec.kind
+        kwargs: dict[str, Any] = dict(
+            chunk_size=_CHUNK,
+            local_cpu=spec.kind == "cpu",
+            max_local_cpu_size=cpu_bytes / 2**30,
+        )
+        if spec.kind == "disk":
+            kwargs.update(local_disk=spec.path, max_local_disk_size=disk_bytes / 2**30)
+        self.config = LMCacheEngineConfig.from_defaults(**kwargs)
+        self.metadata = LMCacheMetadata(
+            model_name="kmesh",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=layout.torch_dtype(),
+            kv_shape=(layout.num_layers, 2, _CHUNK, layout.num_kv_heads, layout.head_dim),
+            chunk_size=_CHUNK,
+        )
+        self.cpu = LocalCPUBackend(self.config, self.metadata, dst_device="cpu")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.disk: Any = None
+        self.conn: Any = None
+        if spec.kind in ("disk", "lm", "redis"):
+            self._start_loop()
+        if spec.kind == "disk":
+            from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+            self.disk = LocalDiskBackend(self.config, self._loop, self.cpu, dst_device="cpu")
+        elif spec.kind == "lm":
+            from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector
+
+            self.conn = LMCServerConnector(spec.host, spec.port, self._loop, self.cpu)
+        elif spec.kind == "redis":
+            from lmcache.v1.storage_backend.connector.redis_connector import RedisConnector
+
+            url = f"redis://{spec.host}:{spec.port}"
+            self.conn = RedisConnector(url, self._loop, self.cpu)
+
+    # -- objects ------------------------------------------------------------------------------
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+        """A fresh LMCache ``MemoryObj`` (ref count 1) from the backend's allocator, or None."""
+        from lmcache.v1.memory_management import MemoryFormat
+
+        return self.cpu.allocate(torch.Size(shape), dtype, MemoryFormat.KV_2LTD, busy_loop=False)
+
+    def put(self, key: Any, obj: Any) -> None:
+        """Store ``obj`` under ``key``; blocks until the backend holds it. The caller keeps (and
+        must drop) its own reference."""
+        if self.kind == "cpu":
+            self.cpu.submit_put_task(key, obj)
+        elif self.kind == "disk":
+            done = threading.Event()
+            self.disk.submit_put_task(key, obj, on_complete_callback=lambda _k: done.set())
+            # LMCache skips the write silently (no callback) when the key is already there or
+            # being written, or when it does not fit: poll `contains` up to a deadline.
+            deadline = time.monotonic() + _IO_TIMEOUT_S
+            while not done.wait(0.005) and not self.disk.contains(key):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"disk write of {key.to_string()} did not finish")
+        else:
+            self._run(self.conn.put(key, obj))
+
+    def get(self, key: Any) -> Any:
+        """The stored object (the caller owns one reference and must drop it), or None."""
+        if self.kind == "cpu":
+            return self.cpu.get_blocking(key)
+        if self.kind == "disk":
+            return self.disk.get_blocking(key)
+        return self._run(self.conn.get(key))
+
+    def remove(self, key: Any) -> bool:
+        """Delete ``key``. ``lm://`` has no delete (the LMCache server never frees anything):
+        returns False there. For Redis the two keys ``RedisConnector`` writes are deleted."""
+        if self.kind == "cpu":
+            return bool(self.cpu.remove(key))
+        if self.kind == "disk":
+            return bool(self.disk.remove(key))
+        if self.kind == "redis":
+            name = key.to_string()
+            return bool(
+                self._run(self.conn.connection.delete(name + "kv_bytes", name + "metadata"))
+            )
+        return False
+
+    def close(self) -> None:
+        if self.conn is not None and self._loop is not None:
+            if self.kind == "redis":
+                self._run(self.conn.pq_executor.shutdown_async(wait=True))
+                self._run(self.conn.connection.aclose())
+            else:
+                self._run(self.conn.close())
+            self.conn = None
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+            self._loop = None
+        self.cpu.close()
+
+    # -- event loop ---------------------------------------------------------------------------
+
+    def _start_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._thread = threading.Thread(
+            target=loop.run_forever, name=f"kmesh-{self.kind}-io", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(_IO_TIMEOUT_S)
+
+
+def open_tier(spec: StoreSpec, layout: MasterLayout, *, cpu_bytes: int) -> LMCacheTier:
+    return LMCacheTier(spec, layout, cpu_bytes=cpu_bytes)

@@ -1,0 +1,159 @@
+"""A *master*: the dense KV of one shared segment, all layers, plus the metadata we keep with it.
+
+Layout (what `MasterStore.put` takes and `MasterStore.get` returns)::
+
+    kv:        [num_layers, 2, T, num_kv_heads, head_dim]   (index 0 = K, 1 = V), model dtype;
+               K is stored *after* RoPE at ``positions``.
+    positions: [T] int64, the positions the KV was computed at.
+
+In LMCache the KV is stored as one memory object in LMCache's own chunk layout ``KV_2LTD``
+(``[2, L, T, Hkv*D]``), so the stored bytes read as a normal LMCache KV object. Our metadata
+(`MasterMeta`: token count, shape, dtype, positions and a checksum of the KV bytes) is a second,
+small ``uint8`` object under its own key, because LMCache's remote backends keep only
+shape/dtype/format and drop ``cached_positions``. The metadata object is written *after* the KV
+and read *first*, so it doubles as a commit marker; a KV whose checksum does not match is never
+served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Master", "MasterLayout", "MasterMeta", "kv_checksum"]
+
+_FORMAT = 1  # bump when the metadata byte layout changes
+_HEADER = struct.Struct("<4sI")  # magic, JSON length
+_MAGIC = b"KMM1"
+
+
+@dataclass(frozen=True)
+class MasterLayout:
+    """Per-token shape of masters in one store (one model): ``[L, 2, ·, Hkv, D]`` of ``dtype``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    """A ``torch`` dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
+
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"MasterLayout.dtype={self.dtype!r} is not a torch dtype")
+        return dtype
+
+    def bytes_per_token(self) -> int:
+        import torch
+
+        elem = torch.empty((), dtype=self.torch_dtype()).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class Master:
+    """A segment's KV ``[L, 2, T, Hkv, D]`` and its ``positions`` ``[T]`` int64 (CPU tensors).
+
+    Objects handed out by a store or cache may be shared between readers: treat as read-only.
+    """
+
+    kv: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.kv.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held: KV plus positions."""
+        return int(
+            self.kv.numel() * self.kv.element_size()
+            + self.positions.numel() * self.positions.element_size()
+        )
+
+    def check(self, layout: MasterLayout) -> None:
+        """Raise `ValueError` unless ``kv``/``positions`` fit ``layout`` (shape, dtype, device)."""
+        import torch
+
+        kv, pos = self.kv, self.positions
+        want = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != want:
+            raise ValueError(
+                f"kv shape {tuple(kv.shape)}; want [L={want[0]}, 2, T, Hkv={want[2]}, D={want[3]}]"
+            )
+        if kv.dtype != layout.torch_dtype():
+            raise ValueError(f"kv dtype {kv.dtype}; want {layout.dtype}")
+        if kv.shape[2] < 1:
+            raise ValueError("a master needs at least one token")
+        if pos.dtype != torch.int64 or tuple(pos.shape) != (kv.shape[2],):
+            raise ValueError(
+                f"positions {tuple(pos.shape)} {pos.dtype}; want [{kv.shape[2]}] torch.int64"
+            )
+        if kv.device.type != "cpu" or pos.device.type != "cpu":
+            raise ValueError("masters are stored from CPU tensors")
+
+
+@dataclass(frozen=True)
+class MasterMeta:
+    """What we store next to the KV (and LMCache would otherwise lose)."""
+
+    num_tokens: int
+    shape: tuple[int, ...]
+    """Shape of ``kv`` ``[L, 2, T, Hkv, D]``."""
+    dtype: str
+    checksum: str
+    """`kv_checksum` of the KV bytes."""
+    positions: tuple[int, ...]
+
+    def encode(self) -> bytes:
+        """Header (magic, JSON length), JSON fields, positions as little-endian int64."""
+        head = json.dumps(
+            {
+                "format": _FORMAT,
+                "num_tokens": self.num_tokens,
+                "shape": list(self.shape),
+                "dtype": self.dtype,
+                "checksum": self.checksum,
+            },
+            separators=(",", ":"),
+        ).encode()
+        pos = struct.pack(f"<{len(self.positions)}q", *self.positions)
+        return _HEADER.pack(_MAGIC, len(head)) + head + pos
+
+    @classmethod
+    def decode(cls, blob: bytes) -> MasterMeta:
+        """Inverse of `encode`; raises `ValueError` on anything malformed."""
+        if len(blob) < _HEADER.size:
+            raise ValueError("master metadata too short")
+        magic, n = _HEADER.unpack_from(blob)
+        if magic != _MAGIC:
+            raise ValueError(f"bad master metadata magic {magic!r}")
+        head = json.loads(blob[_HEADER.size : _HEADER.size + n])
+        if head.get("format") != _FORMAT:
+            raise ValueError(f"master metadata format {head.get('format')!r} != {_FORMAT}")
+        num = int(head["num_tokens"])
+        rest = blob[_HEADER.size + n :]
+        if len(rest) != 8 * num:
+            raise ValueError(f"master metadata holds {len(rest)} position bytes, want {8 * num}")
+        positions = struct.unpack(f"<{num}q", rest)
+        return cls(num, tuple(head["shape"]), str(head["dtype"]), str(head["checksum"]), positions)
+
+
+def kv_checksum(kv: torch.Tensor) -> str:
+    """BLAKE2b-128 (``hashlib``) of the tensor's bytes in C order, hex."""
+    import torch
+
+    flat = kv.detach().contiguous().reshape(-1).view(torch.uint8)
+    if sys.byteorder == "big":  # pragma: no cover - every supported platform is little-endian
+        raise RuntimeError("masters are defined in little-endian byte order")
+    return hashlib.blake2b(flat.numpy().data, digest_size=16).hexdigest()

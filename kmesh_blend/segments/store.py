@@ -1,0 +1,167 @@
+"""Master storage through LMCache: the narrow interface the blend uses.
+
+    store = open_store("redis://127.0.0.1:6379", MasterLayout(24, 2, 64, "bfloat16"))
+    store.put(segment_id, kv, positions)        # kv [L, 2, T, Hkv, D], positions [T] int64
+    master = store.get(segment_id)               # Master(kv, positions) | None
+
+Every get is one *read from the backing tier* (counted by the caller, `SegmentCache`). A get
+returns ``None`` — never doubtful KV — when the segment is absent, its metadata is malformed, or
+the KV's shape, dtype or checksum disagree with the metadata. Each call is serialised by a lock
+(LMCache's ``lm://`` client shares one socket). What is written in LMCache and why: see
+`kmesh_blend.segments.master` (layout, metadata object) and `kmesh_blend.segments.lmcache_tiers`
+(which LMCache classes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+import torch
+
+from kmesh_blend.config import StoreSpec, parse_store
+from kmesh_blend.segments.identity import SegmentId
+from kmesh_blend.segments.lmcache_tiers import LMCacheTier, make_key
+from kmesh_blend.segments.master import Master, MasterLayout, MasterMeta, kv_checksum
+
+__all__ = ["LMCacheMasterStore", "MasterStore", "open_store"]
+
+log = logging.getLogger(__name__)
+
+_KV_PREFIX = "kmesh"
+_META_PREFIX = "kmesh-meta"
+
+
+class MasterStore(Protocol):
+    """Where masters live. ``tier`` is the ``kmesh.store`` kind (``cpu``, ``disk``, ``lm``,
+    ``redis``)."""
+
+    tier: str
+    layout: MasterLayout
+
+    def put(self, segment_id: SegmentId, kv: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Store a master; False if the tier refused it (full, unreachable)."""
+        ...
+
+    def get(self, segment_id: SegmentId) -> Master | None:
+        """One read from the tier: a fresh copy of the master, or None."""
+        ...
+
+    def delete(self, segment_id: SegmentId) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class LMCacheMasterStore:
+    """`MasterStore` on one LMCache backend (host RAM, disk, ``lm://`` or ``redis://``)."""
+
+    def __init__(self, spec: StoreSpec, layout: MasterLayout, *, cpu_bytes: int = 1 << 30) -> None:
+        self.tier: str = spec.kind
+        self.layout = layout
+        self._dtype = layout.torch_dtype()
+        self._backend = LMCacheTier(spec, layout, cpu_bytes=cpu_bytes)
+        self._lock = threading.Lock()
+        self.num_corrupt = 0
+
+    def put(self, segment_id: SegmentId, kv: torch.Tensor, positions: torch.Tensor) -> bool:
+        master = Master(kv, positions)
+        master.check(self.layout)
+        L, _, T, H, D = kv.shape
+        meta = MasterMeta(
+            T, tuple(kv.shape), self.layout.dtype, kv_checksum(kv), tuple(positions.tolist())
+        )
+        blob = meta.encode()
+        with self._lock:
+            kv_obj = self._backend.allocate((2, L, T, H * D), self._dtype)
+            meta_obj = self._backend.allocate((1, 1, 1, len(blob)), torch.uint8)
+            try:
+                if kv_obj is None or meta_obj is None:
+                    log.warning("kmesh store %s: no room for %d bytes", self.tier, master.nbytes)
+                    return False
+                # [L, 2, T, Hkv, D] -> LMCache's KV_2LTD [2, L, T, Hkv*D] (one strided copy)
+                kv_obj.tensor.copy_(kv.permute(1, 0, 2, 3, 4).reshape(2, L, T, H * D))
+                meta_obj.tensor.view(-1).copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+                self._backend.put(make_key(_KV_PREFIX, segment_id, self._dtype), kv_obj)
+                # metadata last: it marks the master complete
+                self._backend.put(make_key(_META_PREFIX, segment_id, torch.uint8), meta_obj)
+                return True
+            except Exception as exc:  # the tier is unreachable or refused: no reuse, no crash
+                log.warning("kmesh store %s: put failed: %s", self.tier, exc)
+                return False
+            finally:
+                for obj in (kv_obj, meta_obj):
+                    if obj is not None:
+                        obj.ref_count_down()
+
+    def get(self, segment_id: SegmentId) -> Master | None:
+        with self._lock:
+            try:
+                return self._get_locked(segment_id)
+            except Exception as exc:
+                log.warning("kmesh store %s: get failed: %s", self.tier, exc)
+                return None
+
+    def contains(self, segment_id: SegmentId) -> bool:
+        """Whether the metadata object exists (a cheap check; `get` still verifies)."""
+        with self._lock:
+            obj = self._backend.get(make_key(_META_PREFIX, segment_id, torch.uint8))
+            if obj is None:
+                return False
+            obj.ref_count_down()
+            return True
+
+    def delete(self, segment_id: SegmentId) -> bool:
+        with self._lock:
+            try:
+                gone = self._backend.remove(make_key(_META_PREFIX, segment_id, torch.uint8))
+                self._backend.remove(make_key(_KV_PREFIX, segment_id, self._dtype))
+                return gone
+            except Exception as exc:
+                log.warning("kmesh store %s: delete failed: %s", self.tier, exc)
+                return False
+
+    def close(self) -> None:
+        with self._lock:
+            self._backend.close()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _get_locked(self, segment_id: SegmentId) -> Master | None:
+        meta_obj = self._backend.get(make_key(_META_PREFIX, segment_id, torch.uint8))
+        if meta_obj is None:
+            return None
+        try:
+            meta = MasterMeta.decode(bytes(meta_obj.tensor.reshape(-1).numpy().tobytes()))
+        finally:
+            meta_obj.ref_count_down()
+        kv_obj = self._backend.get(make_key(_KV_PREFIX, segment_id, self._dtype))
+        if kv_obj is None:
+            return None
+        try:
+            L, two, T, H, D = meta.shape
+            stored = kv_obj.tensor
+            if tuple(stored.shape) != (two, L, T, H * D) or stored.dtype != self._dtype:
+                return self._corrupt(segment_id, f"shape {tuple(stored.shape)} {stored.dtype}")
+            kv = stored.view(two, L, T, H, D).permute(1, 0, 2, 3, 4).contiguous()
+        finally:
+            kv_obj.ref_count_down()
+        if meta.dtype != self.layout.dtype or kv_checksum(kv) != meta.checksum:
+            return self._corrupt(segment_id, "checksum mismatch")
+        return Master(kv, torch.tensor(meta.positions, dtype=torch.int64))
+
+    def _corrupt(self, segment_id: SegmentId, why: str) -> Master | None:
+        """Count and log a rejected master; returns None (what `get` then returns)."""
+        self.num_corrupt += 1
+        log.warning("kmesh store %s: master %s… rejected: %s", self.tier, segment_id[:12], why)
+        return None
+
+
+def open_store(
+    store: str | StoreSpec, layout: MasterLayout, *, cpu_bytes: int = 1 << 30
+) -> LMCacheMasterStore:
+    """Open the store named by a ``kmesh.store`` value (``cpu``, ``disk:///p``, ``lm://h:p``,
+    ``redis://h:p``). ``cpu_bytes``: host-RAM pool of LMCache (the store itself for ``cpu``,
+    staging for the other tiers)."""
+    spec = parse_store(store) if isinstance(store, str) else store
+    return LMCacheMasterStore(spec, layout, cpu_bytes=cpu_bytes)

@@ -1,0 +1,87 @@
+"""Fixtures that start real storage services on 127.0.0.1 for the store integration tests.
+
+The LMCache ``lm://`` server and ``redis-server`` are started once per session on free ports and
+stopped at the end. Without ``redis-server`` on PATH the Redis tests fail when ``CI=true`` (CI
+must run them; ``scripts/services.sh`` installs it) and are skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+            raise RuntimeError(f"service exited with {proc.returncode}:\n{out[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listened on 127.0.0.1:{port} within {timeout} s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def lm_server() -> Iterator[str]:
+    """``lm://127.0.0.1:PORT`` of a fresh LMCache server process (``lmcache.v1.server``)."""
+    port = _free_port()
+    env = {**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        _wait_port(port, proc)
+        yield f"lm://127.0.0.1:{port}"
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    """``redis://127.0.0.1:PORT`` of a fresh, non-persistent ``redis-server``."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        msg = "redis-server is not installed (run scripts/services.sh)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    port = _free_port()
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        _wait_port(port, proc)
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        _stop(proc)
