@@ -12,8 +12,10 @@ from kmesh_blend.blend.plan import (
 )
 from kmesh_blend.blend.source import (
     DenseSegmentSource,
+    MasterSource,
     SegmentKV,
     SegmentSource,
+    master_tensor,
     segment_kv_from_prefill,
 )
 
@@ -22,6 +24,7 @@ __all__ = [
     "BlendRequest",
     "BlendResult",
     "DenseSegmentSource",
+    "MasterSource",
     "RequestBlend",
     "SegmentKV",
     "SegmentSource",
@@ -30,6 +33,7 @@ __all__ = [
     "blend_one",
     "check_ratios",
     "keep_count",
+    "master_tensor",
     "segment_kv_from_prefill",
     "select_top",
 ]

@@ -8,13 +8,20 @@ each shared segment's layer once for all siblings. The segment store implements 
 from __future__ import annotations
 
 from collections import Counter
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from kmesh_blend.models.layerwise import LayerwiseModel, prefill
 
-__all__ = ["DenseSegmentSource", "SegmentKV", "SegmentSource", "segment_kv_from_prefill"]
+__all__ = [
+    "DenseSegmentSource",
+    "MasterSource",
+    "SegmentKV",
+    "SegmentSource",
+    "master_tensor",
+    "segment_kv_from_prefill",
+]
 
 
 class SegmentKV(NamedTuple):
@@ -63,3 +70,29 @@ def segment_kv_from_prefill(
     positions = torch.arange(start, start + token_ids.numel(), dtype=torch.int64)
     result = prefill(model, token_ids, positions, last_only=True)
     return SegmentKV(torch.stack(result.keys), torch.stack(result.values), positions)
+
+
+class MasterSource:
+    """`SegmentSource` over masters fetched from the segment store (`kmesh_blend.segments`).
+
+    ``masters``: segment id → an object with ``kv`` [L, 2, S, Hkv, D] (K rotated at
+    ``positions``) and ``positions`` [S] int64 — what `SegmentCache.fetch` returns. Layer reads are
+    views (no copy); ``reads`` counts them as in `DenseSegmentSource`.
+    """
+
+    def __init__(self, masters: dict[str, Any]) -> None:
+        self.masters = masters
+        self.reads: Counter[tuple[str, int]] = Counter()
+
+    def positions(self, segment_id: str) -> torch.Tensor:
+        return self.masters[segment_id].positions  # type: ignore[no-any-return]
+
+    def layer_kv(self, segment_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reads[(segment_id, layer)] += 1
+        kv = self.masters[segment_id].kv
+        return kv[layer, 0], kv[layer, 1]
+
+
+def master_tensor(kv: SegmentKV) -> torch.Tensor:
+    """A `SegmentKV` in the store's master layout: [L, 2, S, Hkv, D]."""
+    return torch.stack((kv.keys, kv.values), dim=1)
