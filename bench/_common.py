@@ -12,15 +12,22 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def best_of(fn: Callable[[], Any], repeats: int) -> float:
-    """Median wall time (s) of ``repeats`` calls after one untimed warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median wall time (s) per label, measured round-robin.
+
+    Every function runs once untimed first, then the timed rounds alternate between them, so a
+    process that is still warming up (allocator growth, caches) does not favour whichever
+    configuration happens to be measured last.
+    """
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {label: [] for label in fns}
+    for _ in range(repeats):
+        for label, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[label].append(time.perf_counter() - t0)
+    return {label: statistics.median(ts) for label, ts in times.items()}
 
 
 def plot_bars(name: str, labels: list[str], seconds: list[float], title: str) -> Path:

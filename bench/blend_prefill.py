@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import best_of, emit, plot_bars
+from _common import emit, interleaved, plot_bars
 
 from kmesh_blend.blend import (
     BlendOptions,
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     doc_len = 512 if args.quick else 2048
-    repeats = 1 if args.quick else 3
+    repeats = 1 if args.quick else 5
 
     model = ReferenceModel.load(build_checkpoint(BENCH_LLAMA), torch.float32)
     gen = torch.Generator().manual_seed(0)
@@ -52,13 +52,17 @@ def main() -> None:
     source = DenseSegmentSource({"doc": segment_kv_from_prefill(model, doc)})
     request = BlendRequest(ids, (SegmentUse(64, 64 + doc_len, "doc"),))
 
-    full_s = best_of(lambda: prefill(model, ids, last_only=True), repeats)
+    options = {ratio: BlendOptions(recompute_ratio=ratio, backend="torch") for ratio in RATIOS}
+    fns = {"full": lambda: prefill(model, ids, last_only=True)}
+    for ratio, opts in options.items():
+        fns[str(ratio)] = lambda o=opts: blend_one(model, request, source, o)
+    measured = interleaved(fns, repeats)
+    full_s = measured["full"]
+    times = {ratio: measured[str(ratio)] for ratio in RATIOS}
     print(f"full prefill of {ids.numel()} tokens: {full_s:.3f} s")
     full_logits = prefill(model, ids, last_only=True).logits
-    times, deviations = {}, {}
-    for ratio in RATIOS:
-        opts = BlendOptions(recompute_ratio=ratio, backend="torch")
-        times[ratio] = best_of(lambda o=opts: blend_one(model, request, source, o), repeats)
+    deviations = {}
+    for ratio, opts in options.items():
         res = blend_one(model, request, source, opts)
         deviations[ratio] = float((res.logits - full_logits).abs().max())
         print(

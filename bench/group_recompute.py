@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import best_of, emit, plot_bars
+from _common import emit, interleaved, plot_bars
 
 from kmesh_blend.blend import (
     BlendOptions,
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     args = parser.parse_args()
     doc_len = 512 if args.quick else 2048
-    repeats = 1 if args.quick else 3
+    repeats = 1 if args.quick else 5
 
     model = ReferenceModel.load(build_checkpoint(BENCH_LLAMA), torch.float32)
     gen = torch.Generator().manual_seed(0)
@@ -71,9 +71,15 @@ def main() -> None:
             schedule="layer_sync", selection="collective", backend="torch"
         ),
     }
-    times, reads, results = {}, {}, {}
+    times = interleaved(
+        {
+            label: lambda o=opts: blend_group(model, requests, source, o)
+            for label, opts in configs.items()
+        },
+        repeats,
+    )
+    reads, results = {}, {}
     for label, opts in configs.items():
-        times[label] = best_of(lambda o=opts: blend_group(model, requests, source, o), repeats)
         source.reads.clear()
         results[label] = blend_group(model, requests, source, opts)
         reads[label] = sum(source.reads.values())
