@@ -1,0 +1,168 @@
+"""`KMeshConnector`: the vLLM KV connector facade (engine args only; no vLLM file is patched).
+
+Enable it with ``--kv-transfer-config`` / ``LLM(kv_transfer_config=...)``::
+
+    {"kv_connector": "KMeshConnector", "kv_connector_module_path": "kmesh_blend.vllm",
+     "kv_role": "kv_both", "kv_connector_extra_config": {"kmesh.store": "cpu", ...}}
+
+vLLM builds one instance per role. The scheduler-side instance delegates to `SchedulerSide`
+(annotations, lookups, plans, reports), the worker-side one to `WorkerSide` (blend, paged writes,
+master storage). All loads are synchronous: the blended KV is in the paged cache before the
+forward that computes each request's last prompt token.
+
+Prefix caching: blended KV is an approximation of the exact prefill, so it must never be served
+later as exact prefix KV. vLLM's automatic prefix caching would hash and reuse those blocks, so the
+connector refuses to start with it on (``enable_prefix_caching=False`` /
+``--no-enable-prefix-caching``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kmesh_blend.config import KMeshConfig
+from kmesh_blend.segments.identity import make_namespace
+from kmesh_blend.vllm.meta import KMeshMetadata
+from kmesh_blend.vllm.scheduler_side import SchedulerSide
+from kmesh_blend.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+__all__ = ["KMeshConnector"]
+
+log = logging.getLogger("kmesh_blend.vllm")
+
+
+class KMeshConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.config = KMeshConfig.from_extra_config(extra)
+        if vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError(
+                "KMeshConnector: blended KV must not be reused as exact prefix KV; start vLLM "
+                "with prefix caching off (enable_prefix_caching=False, --no-enable-prefix-caching)"
+            )
+        model_config = vllm_config.model_config
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(
+                self.config,
+                _namespace(vllm_config),
+                model_config.max_model_len,
+                contains=_shared_store_lookup(self.config, vllm_config),
+            )
+        else:
+            self.worker = WorkerSide(
+                self.config,
+                model_config.model,
+                model_config.dtype,
+                vllm_config.cache_config.block_size,
+                vllm_config.compilation_config.static_forward_context,
+            )
+        log.info("kmesh: %s side ready (%s)", role.name.lower(), self.config)
+
+    # --- scheduler side -------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.num_matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_worker_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        assert self.scheduler is not None
+        return False, self.scheduler.finished(request)
+
+    # --- worker side ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self.worker is not None and isinstance(meta, KMeshMetadata) and meta.loads:
+            self.worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are complete when start_load_kv returns
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:  # fmt: skip
+        return  # masters are read from the paged cache in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self.worker is not None and isinstance(meta, KMeshMetadata) and meta.saves:
+            self.worker.save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_failed_blocks() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.take_output() if self.worker is not None else None
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+def _namespace(vllm_config: VllmConfig) -> Any:
+    mc = vllm_config.model_config
+    hf = mc.hf_config
+    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    return make_namespace(
+        str(mc.model),
+        mc.dtype,
+        num_layers=mc.get_num_layers(vllm_config.parallel_config),
+        num_kv_heads=mc.get_total_num_kv_heads(),
+        head_dim=mc.get_head_size(),
+        rope=dict(rope),
+    )
+
+
+def _shared_store_lookup(config: KMeshConfig, vllm_config: VllmConfig) -> Any:
+    """``contains(segment_id)`` for stores other engines can write (lm://, redis://), else None."""
+    if config.store_spec.kind not in ("lm", "redis"):
+        return None
+    from kmesh_blend.segments.master import MasterLayout
+    from kmesh_blend.segments.store import open_store
+
+    mc = vllm_config.model_config
+    layout = MasterLayout(
+        mc.get_num_layers(vllm_config.parallel_config),
+        mc.get_total_num_kv_heads(),
+        mc.get_head_size(),
+        str(mc.dtype).removeprefix("torch."),
+    )
+    store = open_store(config.store_spec, layout, cpu_bytes=64 << 20)
+    return store.contains

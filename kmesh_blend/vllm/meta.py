@@ -1,0 +1,66 @@
+"""What the scheduler side tells the worker side each step, and what comes back.
+
+Plain dataclasses (picklable: in multiprocess mode they cross a process boundary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+__all__ = ["KMeshMetadata", "KMeshWorkerMetadata", "LoadRequest", "SaveRequest", "SegmentRef"]
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    """A stored segment placed at prompt tokens [start, end)."""
+
+    start: int
+    end: int
+    segment_id: str
+
+
+@dataclass
+class LoadRequest:
+    """Blend this request and write its KV for prompt tokens [first, len(token_ids) − 1)."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    segments: list[SegmentRef]
+    first: int  # tokens before this are already in the paged cache (vLLM's own)
+
+
+@dataclass
+class SaveRequest:
+    """After this step's forward, store these segments' KV (read from the paged cache) as masters."""
+
+    req_id: str
+    block_ids: list[int]
+    segments: list[SegmentRef]
+
+
+@dataclass
+class KMeshMetadata(KVConnectorMetadata):
+    loads: list[LoadRequest] = field(default_factory=list)
+    saves: list[SaveRequest] = field(default_factory=list)
+
+
+@dataclass
+class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
+    """Per-request outcomes of the worker side: req_id → report fields; segment ids published."""
+
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    published: list[str] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KMeshWorkerMetadata):
+            for req_id, report in other.reports.items():
+                self.reports.setdefault(req_id, {}).update(report)
+            self.published.extend(other.published)
+        return self

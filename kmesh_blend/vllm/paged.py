@@ -1,0 +1,129 @@
+"""Reading and writing token rows of vLLM's paged KV cache, layout verified against the backend.
+
+A KV cache tensor's in-block layout depends on the attention backend, the dtype and even the CPU
+instruction set (vLLM's CPU backend stores fp32 K transposed within a block). Rather than guess,
+`PagedLayout.discover` lets the backend's own write op (`impl.do_kv_cache_update`) fill a scratch
+cache with random rows and keeps the candidate view that reads exactly those rows back. If none
+does, the layout is unknown and reuse is disabled (one log line) — never a hand-guessed write.
+
+Views are ``[block, head, offset, dim]`` (see `kmesh_blend.ops.scatter_paged`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kmesh_blend.ops import gather_paged, scatter_paged
+
+__all__ = ["PagedLayout", "slot_mapping"]
+
+log = logging.getLogger("kmesh_blend.vllm")
+
+ViewFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
+    """Slots of prompt tokens [start, end) for a request holding ``block_ids``: [end−start] int64."""
+    pos = torch.arange(start, end, dtype=torch.int64)
+    blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // block_size]
+    return blocks * block_size + pos % block_size
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """How one layer's cache tensor maps to (K, V) ``[block, head, offset, dim]`` views."""
+
+    name: str
+    block_size: int
+    views: ViewFn
+
+    def write(
+        self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Write rows k / v [n, Hkv, D] at ``slots`` [n] (exact copy, cast to the cache dtype)."""
+        kv, vv = self.views(cache)
+        scatter_paged(k, kv, slots, self.block_size)
+        scatter_paged(v, vv, slots, self.block_size)
+
+    def read(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows at ``slots`` [n] → (k, v) each [n, Hkv, D] in the cache dtype."""
+        kv, vv = self.views(cache)
+        return gather_paged(kv, slots, self.block_size), gather_paged(vv, slots, self.block_size)
+
+    @classmethod
+    def discover(
+        cls, attn_layer: Any, cache: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int
+    ) -> PagedLayout | None:
+        """Find the layout the backend of ``attn_layer`` writes into ``cache``; None if unknown."""
+        impl = getattr(attn_layer, "impl", None)
+        update = getattr(impl, "do_kv_cache_update", None)
+        if update is None:
+            log.warning("kmesh: attention backend has no do_kv_cache_update; reuse disabled")
+            return None
+        candidates = _candidates(cache.shape, num_kv_heads, head_dim, block_size)
+        probe = cache.new_zeros(_with_two_blocks(cache.shape, block_size))
+        gen = torch.Generator().manual_seed(0)
+        n = 2 * block_size - 3  # two blocks, the second partial
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(cache.dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(cache.dtype)
+        slots = torch.randperm(2 * block_size, generator=gen)[:n]
+        try:
+            update(
+                attn_layer, k.to(cache.device), v.to(cache.device), probe, slots.to(cache.device)
+            )
+        except Exception as exc:  # the backend refused a scratch tensor: do not guess
+            log.warning("kmesh: probing the KV cache layout failed (%s); reuse disabled", exc)
+            return None
+        for name, views in candidates.items():
+            try:
+                kv, vv = views(probe)
+                got_k = gather_paged(kv, slots.to(cache.device), block_size).cpu()
+                got_v = gather_paged(vv, slots.to(cache.device), block_size).cpu()
+            except (RuntimeError, ValueError):
+                continue
+            if torch.equal(got_k, k) and torch.equal(got_v, v):
+                log.info("kmesh: paged KV layout is %s (verified by a round trip)", name)
+                return cls(name, block_size, views)
+        log.warning("kmesh: unknown paged KV layout %s; reuse disabled", tuple(cache.shape))
+        return None
+
+
+def _with_two_blocks(shape: torch.Size, block_size: int) -> tuple[int, ...]:
+    dims = list(shape)
+    dims[1 if len(dims) == 5 and dims[0] == 2 else 0] = 2
+    return tuple(dims)
+
+
+def _candidates(shape: torch.Size, heads: int, dim: int, bs: int) -> dict[str, ViewFn]:
+    out: dict[str, ViewFn] = {}
+    if len(shape) == 4 and tuple(shape[1:]) == (heads, bs, 2 * dim):
+        # vLLM CPU: [blocks, Hkv, block_size, 2*D], viewed per block and head as K rows then V rows.
+        def cpu_rows(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            base = c.view(c.shape[0], heads, 2 * bs, dim)
+            return base[:, :, :bs], base[:, :, bs:]
+
+        def cpu_k_transposed(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            base = c.view(c.shape[0], heads, 2 * bs, dim)
+            s = base.stride()
+            k = base.as_strided(
+                (c.shape[0], heads, bs, dim), (s[0], s[1], 1, bs), base.storage_offset()
+            )
+            return k, base[:, :, bs:]
+
+        out["cpu_k_transposed"] = cpu_k_transposed
+        out["cpu_rows"] = cpu_rows
+    if len(shape) == 5 and shape[0] == 2 and tuple(shape[2:]) == (bs, heads, dim):
+        out["cuda_2_nb_bs_h_d"] = lambda c: (c[0].permute(0, 2, 1, 3), c[1].permute(0, 2, 1, 3))
+    if len(shape) == 5 and shape[1] == 2 and tuple(shape[2:]) == (bs, heads, dim):
+        out["cuda_nb_2_bs_h_d"] = lambda c: (
+            c[:, 0].permute(0, 2, 1, 3),
+            c[:, 1].permute(0, 2, 1, 3),
+        )
+    if len(shape) == 5 and shape[1] == 2 and tuple(shape[2:]) == (heads, bs, dim):
+        out["cuda_nb_2_h_bs_d"] = lambda c: (c[:, 0], c[:, 1])
+    return out

@@ -1,0 +1,185 @@
+"""Scheduler side of the connector: annotations, segment lookup, the load/save plan, reports.
+
+Plain Python over vLLM's request objects; no tensors, no model. vLLM's connector contract is a
+prefix extension, so a request that reuses segments reports every prompt token but the last as
+"matched": the worker side writes the blended KV of all of them, and vLLM computes the last
+token itself over that KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kmesh_blend.config import KMeshConfig
+from kmesh_blend.segments.annotation import parse_request
+from kmesh_blend.segments.identity import Namespace, segment_ids
+from kmesh_blend.vllm.meta import (
+    KMeshMetadata,
+    KMeshWorkerMetadata,
+    LoadRequest,
+    SaveRequest,
+    SegmentRef,
+)
+
+__all__ = ["SchedulerSide"]
+
+log = logging.getLogger("kmesh_blend.vllm")
+
+
+@dataclass
+class _Plan:
+    token_ids: list[int]
+    segments: list[SegmentRef]
+    loads: list[SegmentRef] = field(default_factory=list)
+    saves: list[SegmentRef] = field(default_factory=list)
+    first: int = 0
+    pending_load: bool = False
+    saved: bool = False
+    blocks: list[int] = field(default_factory=list)
+    report: dict[str, Any] = field(
+        default_factory=lambda: {
+            "reused_tokens": 0,
+            "recomputed_tokens": 0,
+            "storage_reads": 0,
+            "fallback": None,
+        }
+    )
+
+
+class SchedulerSide:
+    """Per-engine scheduler state. ``contains`` asks a shared store (``lm://``, ``redis://``)
+    whether another engine published a segment; None for stores private to this engine."""
+
+    def __init__(
+        self,
+        config: KMeshConfig,
+        namespace: Namespace,
+        max_model_len: int,
+        contains: Any = None,
+    ) -> None:
+        self.config, self.namespace, self.max_model_len = config, namespace, max_model_len
+        self.contains = contains
+        self.published: set[str] = set()
+        self.plans: dict[str, _Plan] = {}
+        self._saving: set[str] = set()  # segments a save is already scheduled for
+
+    def num_matched(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` the worker side will provide (0: stock path)."""
+        params = request.kv_transfer_params
+        if params is None and not self.config.separator:
+            return 0  # unannotated traffic: nothing to parse
+        tokens = list(request.prompt_token_ids or [])
+        parsed = parse_request(
+            params,
+            len(tokens),
+            max_model_len=self.max_model_len,
+            token_ids=tokens,
+            separator=self.config.separator,
+        )
+        if parsed.annotation is None:
+            if parsed.fallback is not None:
+                plan = _Plan(tokens, [])
+                plan.report["fallback"] = parsed.fallback
+                self.plans[request.request_id] = plan
+                log.warning(
+                    "kmesh: request %s runs without reuse: %s", request.request_id, parsed.fallback
+                )
+            return 0
+        spans = parsed.annotation.spans
+        namespace = self.namespace
+        salt = getattr(request, "cache_salt", None)
+        if salt:  # tenants with different salts never share KV
+            namespace = dataclasses.replace(namespace, cache_salt=str(salt))
+        ids = segment_ids(namespace, tokens, spans)
+        refs = [SegmentRef(s, e, str(i)) for (s, e), i in zip(spans, ids, strict=True)]
+        plan = _Plan(tokens, refs, first=num_computed_tokens)
+        plan.loads = [r for r in refs if self._is_published(r.segment_id)]
+        plan.saves = [r for r in refs if r not in plan.loads]
+        self.plans[request.request_id] = plan
+        if not plan.loads or len(tokens) - 1 <= num_computed_tokens:
+            return 0
+        return len(tokens) - 1 - num_computed_tokens
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        plan = self.plans.get(request.request_id)
+        if plan is not None and num_external_tokens > 0:
+            plan.pending_load = True
+
+    def build_meta(self, scheduler_output: Any) -> KMeshMetadata:
+        meta = KMeshMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            plan = self.plans.get(new.req_id)
+            if plan is None:
+                continue
+            plan.blocks = list(new.block_ids[0])
+            if plan.pending_load:
+                plan.pending_load = False
+                meta.loads.append(
+                    LoadRequest(new.req_id, plan.token_ids, plan.blocks, plan.loads, plan.first)
+                )
+            self._maybe_save(
+                meta, new.req_id, plan, new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            plan = self.plans.get(req_id)
+            if plan is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:
+                plan.blocks.extend(new_blocks[0])
+            self._maybe_save(
+                meta, req_id, plan, cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            )
+        return meta
+
+    def on_worker_output(self, worker_meta: Any) -> None:
+        if not isinstance(worker_meta, KMeshWorkerMetadata):
+            return
+        self.published.update(worker_meta.published)
+        self._saving.difference_update(worker_meta.published)
+        for req_id, report in worker_meta.reports.items():
+            plan = self.plans.get(req_id)
+            if plan is not None:
+                plan.report.update(report)
+
+    def finished(self, request: Any) -> dict[str, Any] | None:
+        """The report for ``RequestOutput.kv_transfer_params``; None for unannotated requests."""
+        plan = self.plans.pop(request.request_id, None)
+        if plan is None:
+            return None
+        return {"kmesh": dict(plan.report)}
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _is_published(self, segment_id: str) -> bool:
+        if segment_id in self.published:
+            return True
+        if self.contains is not None:
+            try:
+                if self.contains(segment_id):
+                    self.published.add(segment_id)
+                    return True
+            except Exception as exc:  # a shared store that cannot answer means: recompute
+                log.warning("kmesh: store lookup failed (%s); treating segment as absent", exc)
+        return False
+
+    def _maybe_save(self, meta: KMeshMetadata, req_id: str, plan: _Plan, done: int) -> None:
+        if plan.saved or done < len(plan.token_ids):
+            return
+        plan.saved = True
+        todo = [
+            r
+            for r in plan.saves
+            if r.segment_id not in self._saving and r.segment_id not in self.published
+        ]
+        unique: dict[str, SegmentRef] = {}
+        for ref in todo:
+            unique.setdefault(ref.segment_id, ref)
+        if unique:
+            self._saving.update(unique)
+            meta.saves.append(SaveRequest(req_id, list(plan.blocks), list(unique.values())))

@@ -1,0 +1,177 @@
+"""Worker side of the connector: blend the step's reusing requests, write their KV into vLLM's
+paged cache before the forward, and store new masters after it.
+
+The blend runs on our layerwise executor (`ReferenceModel`, loaded from the same checkpoint
+files vLLM serves). Any problem with one request — a master that cannot be read or fails its
+checksum, an unknown cache layout, an exception in the blend — marks that request's blocks as
+failed loads, so vLLM recomputes it from scratch; its siblings are unaffected.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kmesh_blend.blend import BlendOptions, BlendRequest, MasterSource, SegmentUse, blend_group
+from kmesh_blend.config import KMeshConfig
+from kmesh_blend.models import ReferenceModel
+from kmesh_blend.segments.cache import SegmentCache
+from kmesh_blend.segments.master import MasterLayout
+from kmesh_blend.segments.store import open_store
+from kmesh_blend.vllm.meta import KMeshMetadata, KMeshWorkerMetadata, LoadRequest
+from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
+
+__all__ = ["WorkerSide", "set_fault_injector"]
+
+log = logging.getLogger("kmesh_blend.vllm")
+
+# Test hook: called with each LoadRequest; a non-None string fails that load with this reason.
+_fault_injector: Callable[[LoadRequest], str | None] | None = None
+
+
+def set_fault_injector(fn: Callable[[LoadRequest], str | None] | None) -> None:
+    """Install (or clear) a load-fault injector. For failure tests only."""
+    global _fault_injector
+    _fault_injector = fn
+
+
+class WorkerSide:
+    def __init__(self, config: KMeshConfig, model_path: str, dtype: torch.dtype, block_size: int,
+                 static_forward_context: dict[str, Any]) -> None:  # fmt: skip
+        self.config, self.block_size = config, block_size
+        self.model = ReferenceModel.load(model_path, dtype)
+        config.validate_for_model(self.model.shape.num_layers)
+        shape = self.model.shape
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.layout = MasterLayout(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype_name)
+        self.store = open_store(config.store_spec, self.layout, cpu_bytes=config.store_cpu_bytes)
+        self.cache = SegmentCache(
+            self.store,
+            retention_bytes=config.retention_bytes,
+            timeout_s=config.singleflight_timeout_s,
+        )
+        self.options = BlendOptions.from_config(config)
+        self.attn_layers = static_forward_context
+        self.kv_caches: list[torch.Tensor] = []
+        self.paged: PagedLayout | None = None
+        self.failed_blocks: set[int] = set()
+        self.out = KMeshWorkerMetadata()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=_layer_index)
+        if len(names) != self.model.shape.num_layers:
+            log.warning("kmesh: %d KV cache layers for a %d-layer model; reuse disabled",
+                        len(names), self.model.shape.num_layers)  # fmt: skip
+            return
+        self.kv_caches = [kv_caches[n] for n in names]
+        shape = self.model.shape
+        self.paged = PagedLayout.discover(
+            self.attn_layers.get(names[0]), self.kv_caches[0], shape.num_kv_heads, shape.head_dim,
+            self.block_size,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def load(self, meta: KMeshMetadata) -> None:
+        """Blend and write every load request of this step (before the forward)."""
+        ready: list[tuple[LoadRequest, BlendRequest]] = []
+        masters: dict[str, Any] = {}
+        for load in meta.loads:
+            reason = self._prepare(load, masters)
+            if reason is None:
+                uses = tuple(SegmentUse(r.start, r.end, r.segment_id) for r in load.segments)
+                ready.append((load, BlendRequest(torch.tensor(load.token_ids), uses)))
+            else:
+                self._fail(load, reason)
+        if not ready:
+            return
+        try:
+            results = blend_group(
+                self.model, [b for _, b in ready], MasterSource(masters), self.options
+            )
+            for (load, _), result in zip(ready, results, strict=True):
+                self._write(load, result.keys, result.values)
+                report = self.out.reports.setdefault(load.req_id, {})
+                report["reused_tokens"] = int(result.num_reused)
+                report["recomputed_tokens"] = int(result.num_recomputed)
+        except Exception as exc:  # never serve doubtful KV: the whole group recomputes
+            log.exception("kmesh: blend failed; %d requests recompute", len(ready))
+            for load, _ in ready:
+                self._fail(load, f"blend error: {type(exc).__name__}: {exc}")
+
+    @torch.no_grad()
+    def save(self, meta: KMeshMetadata) -> None:
+        """Store the KV of new segments, read back from the paged cache (after the forward)."""
+        if self.paged is None:
+            return
+        for save in meta.saves:
+            for ref in save.segments:
+                slots = slot_mapping(save.block_ids, self.block_size, ref.start, ref.end)
+                rows = [self.paged.read(cache, slots) for cache in self.kv_caches]
+                kv = torch.stack([torch.stack(kv_pair) for kv_pair in rows])  # [L, 2, S, Hkv, D]
+                positions = torch.arange(ref.start, ref.end, dtype=torch.int64)
+                if self.cache.publish(ref.segment_id, kv.cpu(), positions):  # type: ignore[arg-type]
+                    self.out.published.append(ref.segment_id)
+                else:
+                    log.warning("kmesh: could not store segment %s", ref.segment_id[:16])
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self.failed_blocks = self.failed_blocks, set()
+        return failed
+
+    def take_output(self) -> KMeshWorkerMetadata | None:
+        out, self.out = self.out, KMeshWorkerMetadata()
+        return out if (out.reports or out.published) else None
+
+    def close(self) -> None:
+        self.store.close()
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _prepare(self, load: LoadRequest, masters: dict[str, Any]) -> str | None:
+        """Fetch the masters of ``load`` into ``masters``; the failure reason, or None."""
+        if self.paged is None:
+            return "paged KV layout unknown"
+        if _fault_injector is not None and (reason := _fault_injector(load)) is not None:
+            return reason
+        reads = 0
+        for ref in load.segments:
+            if ref.segment_id in masters:
+                continue
+            fetched = self.cache.fetch(ref.segment_id)  # type: ignore[arg-type]
+            reads += fetched.reads
+            if fetched.master is None:
+                return f"segment {ref.segment_id[:16]} {fetched.source}"
+            if fetched.master.num_tokens != ref.end - ref.start:
+                return f"segment {ref.segment_id[:16]} has {fetched.master.num_tokens} tokens"
+            masters[ref.segment_id] = fetched.master
+        self.out.reports.setdefault(load.req_id, {})["storage_reads"] = reads
+        return None
+
+    def _write(
+        self, load: LoadRequest, keys: list[torch.Tensor], values: list[torch.Tensor]
+    ) -> None:
+        assert self.paged is not None
+        end = len(load.token_ids) - 1  # vLLM computes the last prompt token itself
+        slots = slot_mapping(load.block_ids, self.block_size, load.first, end)
+        for cache, k, v in zip(self.kv_caches, keys, values, strict=True):
+            self.paged.write(
+                cache, k[load.first : end], v[load.first : end], slots.to(cache.device)
+            )
+
+    def _fail(self, load: LoadRequest, reason: str) -> None:
+        log.warning("kmesh: request %s recomputes: %s", load.req_id, reason)
+        self.failed_blocks.update(load.block_ids)
+        self.out.reports[load.req_id] = {
+            "reused_tokens": 0,
+            "recomputed_tokens": 0,
+            "fallback": f"load error: {reason}",
+        }
+
+
+def _layer_index(name: str) -> int:
+    match = re.search(r"layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else -1
