@@ -10,6 +10,10 @@ vLLM builds one instance per role. The scheduler-side instance delegates to `Sch
 master storage). All loads are synchronous: the blended KV is in the paged cache before the
 forward that computes each request's last prompt token.
 
+Failed loads: the connector sets ``kv_load_failure_policy = "recompute"``, so a request whose
+reuse fails (unreadable or corrupt master, unknown layout, blend error) is recomputed by vLLM
+from scratch while its siblings keep their reuse.
+
 Prefix caching: blended KV is an approximation of the exact prefill, so it must never be served
 later as exact prefix KV. vLLM's automatic prefix caching would hash and reuse those blocks, so the
 connector refuses to start with it on (``enable_prefix_caching=False`` /
@@ -58,6 +62,11 @@ class KMeshConnector(KVConnectorBase_V1):
                 "KMeshConnector: blended KV must not be reused as exact prefix KV; start vLLM "
                 "with prefix caching off (enable_prefix_caching=False, --no-enable-prefix-caching)"
             )
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            # A reuse that cannot be served is an optimization lost, never a failed request. The
+            # scheduler reads this field right after building its connector.
+            log.info("kmesh: kv_load_failure_policy set to 'recompute' (failed reuse recomputes)")
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         model_config = vllm_config.model_config
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None

@@ -1,0 +1,85 @@
+"""The issue's family workload on real vLLM: a 416-token document read once, then four follow-ups
+with their own private instructions before it and a question after it, 8 greedy tokens each."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
+from kmesh_blend.testing.engine import make_llm
+
+DOC_LEN, NUM_FOLLOW_UPS, MAX_TOKENS = 416, 4, 8
+
+
+def prompts(seed: int = 0) -> list[tuple[list[int], list[list[int]]]]:
+    """[(token ids, segment spans)]: the first reader, then the follow-ups."""
+    gen = torch.Generator().manual_seed(seed)
+    doc = torch.randint(3, 2048, (DOC_LEN,), generator=gen).tolist()
+    out = []
+    for i in range(NUM_FOLLOW_UPS + 1):
+        private = torch.randint(3, 2048, (17 + 6 * i,), generator=gen).tolist()
+        question = torch.randint(3, 2048, (9 + i,), generator=gen).tolist()
+        out.append((private + doc + question, [[len(private), len(private) + DOC_LEN]]))
+    return out
+
+
+def kv_transfer_config(**extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KMeshConnector",
+        "kv_connector_module_path": "kmesh_blend.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {f"kmesh.{k}": v for k, v in extra.items()},
+    }
+
+
+def params(spans: list[list[int]] | None) -> Any:
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": {"kmesh": {"segments": spans}}} if spans is not None else None
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, extra_args=extra)
+
+
+def run_family(**extra: Any) -> list[tuple[list[int], dict[str, Any] | None]]:
+    """Start an engine with KMesh, read the document once, then run the follow-ups in one call.
+
+    Returns (generated tokens, kmesh report) for the first reader and each follow-up."""
+    llm = make_llm(
+        build_checkpoint(TINY_LLAMA),
+        kv_transfer_config=kv_transfer_config(**extra),
+        enable_prefix_caching=False,
+    )
+    try:
+        family = prompts()
+        first = llm.generate(
+            [{"prompt_token_ids": family[0][0]}], params(family[0][1]), use_tqdm=False
+        )
+        rest = llm.generate(
+            [{"prompt_token_ids": ids} for ids, _ in family[1:]],
+            [params(spans) for _, spans in family[1:]],
+            use_tqdm=False,
+        )
+        return [_result(o) for o in first + rest]
+    finally:
+        del llm
+        gc.collect()
+
+
+def run_stock() -> list[list[int]]:
+    """Stock vLLM (no connector, prefix caching on) on the same prompts: generated tokens."""
+    llm = make_llm(build_checkpoint(TINY_LLAMA))
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": ids} for ids, _ in prompts()], params(None), use_tqdm=False
+        )
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        del llm
+        gc.collect()
+
+
+def _result(output: Any) -> tuple[list[int], dict[str, Any] | None]:
+    report = (output.kv_transfer_params or {}).get("kmesh")
+    return list(output.outputs[0].token_ids), report

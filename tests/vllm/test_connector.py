@@ -1,0 +1,72 @@
+"""KMeshConnector end to end on real vLLM (CPU, in-process engine), the issue's acceptance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kmesh_blend.blend import keep_count
+from kmesh_blend.vllm.worker_side import set_fault_injector
+from tests.vllm.family import DOC_LEN, NUM_FOLLOW_UPS, prompts, run_family, run_stock
+
+pytestmark = pytest.mark.vllm
+
+_runs: dict[tuple[Any, ...], Any] = {}
+
+
+def _family(**extra: Any) -> Any:
+    key = tuple(sorted(extra.items()))
+    if key not in _runs:
+        _runs[key] = run_family(**extra)
+    return _runs[key]
+
+
+@pytest.fixture(scope="module")
+def stock() -> list[list[int]]:
+    return run_stock()
+
+
+def test_follow_ups_reuse_the_document() -> None:
+    results = _family(store="cpu", recompute_ratio=0.15)
+    first, follow_ups = results[0], results[1:]
+    assert first[1] is not None and first[1]["reused_tokens"] == 0  # nothing stored yet
+    assert len(follow_ups) == NUM_FOLLOW_UPS
+    for tokens, report in follow_ups:
+        assert report is not None and report["fallback"] is None
+        assert report["reused_tokens"] >= DOC_LEN
+        assert report["recomputed_tokens"] == keep_count(0.15, DOC_LEN)
+        assert len(tokens) == 8
+
+
+def test_outputs_identical_across_stores_and_schedules(lm_server: str) -> None:
+    base = _family(store="cpu", recompute_ratio=0.15)
+    sequential = _family(store="cpu", recompute_ratio=0.15, schedule="sequential")
+    remote = _family(store=lm_server, recompute_ratio=0.15)
+    assert [t for t, _ in sequential] == [t for t, _ in base]
+    assert [t for t, _ in remote] == [t for t, _ in base]
+    assert all(r["reused_tokens"] >= DOC_LEN for _, r in remote[1:])
+
+
+def test_ratio_one_generates_stock_tokens(stock: list[list[int]]) -> None:
+    results = _family(store="cpu", recompute_ratio=1.0)
+    assert [t for t, _ in results] == stock
+    assert all(r["recomputed_tokens"] == DOC_LEN for _, r in results[1:])
+
+
+def test_one_load_failure_recomputes_only_that_request(stock: list[list[int]]) -> None:
+    target = prompts()[2][0]
+    set_fault_injector(lambda load: "injected fault" if load.token_ids == target else None)
+    try:
+        # A distinct setting keeps this engine apart from the no-fault run cached above.
+        results = _family(store="cpu", recompute_ratio=0.15, retention_bytes=1 << 29)
+    finally:
+        set_fault_injector(None)
+    normal = _family(store="cpu", recompute_ratio=0.15)
+    failed_tokens, failed_report = results[2]
+    assert failed_report["fallback"].startswith("load error: injected fault")
+    assert failed_report["reused_tokens"] == 0
+    assert failed_tokens == stock[2]  # recomputed from scratch by vLLM
+    for i in (1, 3, 4):
+        assert results[i][1]["reused_tokens"] >= DOC_LEN and results[i][1]["fallback"] is None
+        assert results[i][0] == normal[i][0]
