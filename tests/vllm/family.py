@@ -45,7 +45,8 @@ def params(spans: list[list[int]] | None) -> Any:
 def run_family(**extra: Any) -> list[tuple[list[int], dict[str, Any] | None]]:
     """Start an engine with KMesh, read the document once, then run the follow-ups in one call.
 
-    Returns (generated tokens, kmesh report) for the first reader and each follow-up."""
+    Returns (generated tokens, kmesh report) for the first reader, each follow-up, then the
+    second prompt unannotated and the third with a bad (reversed) span."""
     llm = make_llm(
         build_checkpoint(TINY_LLAMA),
         kv_transfer_config=kv_transfer_config(**extra),
@@ -61,7 +62,13 @@ def run_family(**extra: Any) -> list[tuple[list[int], dict[str, Any] | None]]:
             [params(spans) for _, spans in family[1:]],
             use_tqdm=False,
         )
-        return [_result(o) for o in first + rest]
+        # Then: a follow-up without annotation (stock path) and one with a bad annotation.
+        extra_out = llm.generate(
+            [{"prompt_token_ids": family[1][0]}, {"prompt_token_ids": family[2][0]}],
+            [params(None), params([[30, 20]])],
+            use_tqdm=False,
+        )
+        return [_result(o) for o in first + rest + extra_out]
     finally:
         del llm
         gc.collect()

@@ -29,7 +29,7 @@ def stock() -> list[list[int]]:
 
 def test_follow_ups_reuse_the_document() -> None:
     results = _family(store="cpu", recompute_ratio=0.15)
-    first, follow_ups = results[0], results[1:]
+    first, follow_ups = results[0], results[1 : NUM_FOLLOW_UPS + 1]
     assert first[1] is not None and first[1]["reused_tokens"] == 0  # nothing stored yet
     assert len(follow_ups) == NUM_FOLLOW_UPS
     for tokens, report in follow_ups:
@@ -45,13 +45,13 @@ def test_outputs_identical_across_stores_and_schedules(lm_server: str) -> None:
     remote = _family(store=lm_server, recompute_ratio=0.15)
     assert [t for t, _ in sequential] == [t for t, _ in base]
     assert [t for t, _ in remote] == [t for t, _ in base]
-    assert all(r["reused_tokens"] >= DOC_LEN for _, r in remote[1:])
+    assert all(r["reused_tokens"] >= DOC_LEN for _, r in remote[1 : NUM_FOLLOW_UPS + 1])
 
 
 def test_ratio_one_generates_stock_tokens(stock: list[list[int]]) -> None:
     results = _family(store="cpu", recompute_ratio=1.0)
-    assert [t for t, _ in results] == stock
-    assert all(r["recomputed_tokens"] == DOC_LEN for _, r in results[1:])
+    assert [t for t, _ in results[: NUM_FOLLOW_UPS + 1]] == stock
+    assert all(r["recomputed_tokens"] == DOC_LEN for _, r in results[1 : NUM_FOLLOW_UPS + 1])
 
 
 def test_one_load_failure_recomputes_only_that_request(stock: list[list[int]]) -> None:
@@ -70,3 +70,36 @@ def test_one_load_failure_recomputes_only_that_request(stock: list[list[int]]) -
     for i in (1, 3, 4):
         assert results[i][1]["reused_tokens"] >= DOC_LEN and results[i][1]["fallback"] is None
         assert results[i][0] == normal[i][0]
+
+
+def test_unannotated_and_bad_annotations_take_the_stock_path(stock: list[list[int]]) -> None:
+    results = _family(store="cpu", recompute_ratio=0.15)
+    plain_tokens, plain_report = results[NUM_FOLLOW_UPS + 1]
+    assert plain_report is None  # unannotated: no report, stock path
+    assert plain_tokens == stock[1]
+    bad_tokens, bad_report = results[NUM_FOLLOW_UPS + 2]
+    assert bad_report is not None and bad_report["reused_tokens"] == 0
+    assert "segments" in bad_report["fallback"]  # names the bad field
+    assert bad_tokens == stock[2]
+
+
+def test_prefix_caching_is_refused_at_start() -> None:
+    from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
+    from kmesh_blend.testing.engine import make_llm
+    from tests.vllm.family import kv_transfer_config
+
+    with pytest.raises(Exception, match="prefix caching"):
+        make_llm(build_checkpoint(TINY_LLAMA), kv_transfer_config=kv_transfer_config())
+
+
+def test_bad_setting_is_refused_at_start() -> None:
+    from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
+    from kmesh_blend.testing.engine import make_llm
+    from tests.vllm.family import kv_transfer_config
+
+    with pytest.raises(Exception, match="kmesh.recompute_ratio"):
+        make_llm(
+            build_checkpoint(TINY_LLAMA),
+            kv_transfer_config=kv_transfer_config(recompute_ratio=2.0),
+            enable_prefix_caching=False,
+        )
