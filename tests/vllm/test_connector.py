@@ -97,7 +97,7 @@ def test_bad_setting_is_refused_at_start() -> None:
     from kmesh_blend.testing.engine import make_llm
     from tests.vllm.family import kv_transfer_config
 
-    with pytest.raises(Exception, match="kmesh.recompute_ratio"):
+    with pytest.raises(Exception, match=r"kmesh\.recompute_ratio"):
         make_llm(
             build_checkpoint(TINY_LLAMA),
             kv_transfer_config=kv_transfer_config(recompute_ratio=2.0),
