@@ -85,7 +85,7 @@ class MasterSource:
         self.reads: Counter[tuple[str, int]] = Counter()
 
     def positions(self, segment_id: str) -> torch.Tensor:
-        return self.masters[segment_id].positions  # type: ignore[no-any-return]
+        return self.masters[segment_id].positions
 
     def layer_kv(self, segment_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.reads[(segment_id, layer)] += 1

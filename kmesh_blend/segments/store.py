@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 _KV_PREFIX = "kmesh"
 _META_PREFIX = "kmesh-meta"
+_BLOB_PREFIX = "kmesh-blob"
 
 
 class MasterStore(Protocol):
@@ -124,6 +125,51 @@ class LMCacheMasterStore:
     def close(self) -> None:
         with self._lock:
             self._backend.close()
+
+    # -- opaque objects (mirrors; `kmesh_blend.mirror.lifecycle`) ------------------------------
+
+    def put_blob(self, object_id: SegmentId, blob: bytes) -> bool:
+        """Store opaque bytes under ``object_id`` (a uint8 LMCache object under its own key
+        prefix, next to the masters); False if the tier refused. The bytes carry their own
+        checksum: `get_blob` returns them unverified."""
+        with self._lock:
+            obj = self._backend.allocate((1, 1, 1, len(blob)), torch.uint8)
+            try:
+                if obj is None:
+                    log.warning("kmesh store %s: no room for %d bytes", self.tier, len(blob))
+                    return False
+                obj.tensor.view(-1).copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+                self._backend.put(make_key(_BLOB_PREFIX, object_id, torch.uint8), obj)
+                return True
+            except Exception as exc:
+                log.warning("kmesh store %s: put_blob failed: %s", self.tier, exc)
+                return False
+            finally:
+                if obj is not None:
+                    obj.ref_count_down()
+
+    def get_blob(self, object_id: SegmentId) -> bytes | None:
+        """The bytes stored by `put_blob`, or None (absent, or the tier failed)."""
+        with self._lock:
+            try:
+                obj = self._backend.get(make_key(_BLOB_PREFIX, object_id, torch.uint8))
+                if obj is None:
+                    return None
+                try:
+                    return bytes(obj.tensor.reshape(-1).numpy().tobytes())
+                finally:
+                    obj.ref_count_down()
+            except Exception as exc:
+                log.warning("kmesh store %s: get_blob failed: %s", self.tier, exc)
+                return None
+
+    def delete_blob(self, object_id: SegmentId) -> bool:
+        with self._lock:
+            try:
+                return self._backend.remove(make_key(_BLOB_PREFIX, object_id, torch.uint8))
+            except Exception as exc:
+                log.warning("kmesh store %s: delete_blob failed: %s", self.tier, exc)
+                return False
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ class LoadRequest:
 
 @dataclass
 class SaveRequest:
-    """After this step's forward, store these segments' KV (read from the paged cache) as masters."""
+    """After this step's forward, store these segments' KV (read from the paged cache)."""
 
     req_id: str
     block_ids: list[int]

@@ -28,7 +28,7 @@ ViewFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
-    """Slots of prompt tokens [start, end) for a request holding ``block_ids``: [end−start] int64."""
+    """Slots of prompt tokens [start, end) of a request holding ``block_ids``: [n] int64."""
     pos = torch.arange(start, end, dtype=torch.int64)
     blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // block_size]
     return blocks * block_size + pos % block_size

@@ -65,6 +65,10 @@ class SchedulerSide:
         self.published: set[str] = set()
         self.plans: dict[str, _Plan] = {}
         self._saving: set[str] = set()  # segments a save is already scheduled for
+        # Reports handed out this step. A request that finishes in the step of its prefill
+        # (max_tokens=1) is reported before the worker's outcome arrives later in the same
+        # `update_from_output`; the outcome is merged into the same dict before vLLM emits it.
+        self._recent: dict[str, dict[str, Any]] = {}
 
     def num_matched(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` the worker side will provide (0: stock path)."""
@@ -109,6 +113,7 @@ class SchedulerSide:
             plan.pending_load = True
 
     def build_meta(self, scheduler_output: Any) -> KMeshMetadata:
+        self._recent.clear()
         meta = KMeshMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -144,15 +149,17 @@ class SchedulerSide:
         self._saving.difference_update(worker_meta.published)
         for req_id, report in worker_meta.reports.items():
             plan = self.plans.get(req_id)
-            if plan is not None:
-                plan.report.update(report)
+            target = plan.report if plan is not None else self._recent.get(req_id)
+            if target is not None:
+                target.update(report)
 
     def finished(self, request: Any) -> dict[str, Any] | None:
         """The report for ``RequestOutput.kv_transfer_params``; None for unannotated requests."""
         plan = self.plans.pop(request.request_id, None)
         if plan is None:
             return None
-        return {"kmesh": dict(plan.report)}
+        self._recent[request.request_id] = plan.report
+        return {"kmesh": plan.report}
 
     # --- helpers --------------------------------------------------------------------------------
 
