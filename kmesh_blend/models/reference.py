@@ -6,7 +6,8 @@ q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings.
 
 Numerics follow the Hugging Face models: linear layers in the model dtype, RMSNorm in fp32 then
 cast back, RoPE tables in fp32 cast to the model dtype. Attention is computed in fp32 (softmax
-included) and cast back, which keeps it deterministic and close to every backend.
+included, one fused SDPA call) and cast back, which keeps it deterministic and close to every
+backend.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, repeat
+from einops import rearrange
 from safetensors.torch import load_file
 
 from kmesh_blend.models.layerwise import QKV, ModelShape
@@ -101,14 +102,23 @@ class ReferenceModel:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """q [Tq, H, D], k / v [Tk, Hkv, D], mask [Tq, Tk] bool → [Tq, H, D] (model dtype)."""
-        group = self.shape.num_heads // self.shape.num_kv_heads
-        kf = repeat(k.float(), "k h d -> k (h g) d", g=group)
-        vf = repeat(v.float(), "k h d -> k (h g) d", g=group)
-        scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * self.scale
-        scores = scores.masked_fill(~mask[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key: zeros
-        out = torch.einsum("hqk,khd->qhd", probs, vf)
+        """q [Tq, H, D], k / v [Tk, Hkv, D], mask [Tq, Tk] bool → [Tq, H, D] (model dtype).
+
+        One fused fp32 kernel (torch SDPA, GQA native): no [H, Tq, Tk] score tensor is built,
+        which matters on CPU where those element-wise passes cost more than the matmuls.
+        """
+        out = F.scaled_dot_product_attention(
+            rearrange(q.float(), "t h d -> h t d"),
+            rearrange(k.float(), "t h d -> h t d"),
+            rearrange(v.float(), "t h d -> h t d"),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        out = rearrange(out, "h t d -> t h d")
+        empty = ~mask.any(dim=1)
+        if bool(empty.any()):  # a query with no visible key: zeros, not NaN
+            out[empty] = 0.0
         return out.to(q.dtype)
 
     def finish_layer(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
