@@ -54,8 +54,8 @@ def lm_server() -> Iterator[str]:
     env = {**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stdout=subprocess.DEVNULL,  # never read: a full pipe would stall the server
+        stderr=subprocess.DEVNULL,
         env=env,
     )
     try:
@@ -77,8 +77,8 @@ def redis_server() -> Iterator[str]:
     port = _free_port()
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stdout=subprocess.DEVNULL,  # never read: a full pipe would stall the server
+        stderr=subprocess.DEVNULL,
     )
     try:
         _wait_port(port, proc)

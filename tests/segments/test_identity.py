@@ -60,7 +60,8 @@ def test_salt_and_token_edge_cases() -> None:
 
 
 def test_tensor_input() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
+
     assert segment_id(NS, torch.tensor([3, 4, 5])) == segment_id(NS, [3, 4, 5])
 
 

@@ -11,13 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("lmcache")
-
-from kmesh_blend.segments.identity import make_namespace, segment_id  # noqa: E402
-from kmesh_blend.segments.master import MasterLayout, MasterMeta  # noqa: E402
-from kmesh_blend.segments.store import LMCacheMasterStore, open_store  # noqa: E402
+from kmesh_blend.segments.identity import make_namespace, segment_id
+from kmesh_blend.segments.master import MasterLayout, MasterMeta
+from kmesh_blend.segments.store import LMCacheMasterStore, open_store
 
 LAYOUT = MasterLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16")
 NS = make_namespace("tiny", "bfloat16", num_layers=4, num_kv_heads=2, head_dim=32)

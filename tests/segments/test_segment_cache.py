@@ -10,16 +10,14 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("lmcache")
-
-from kmesh_blend.segments.cache import SegmentCache  # noqa: E402
-from kmesh_blend.segments.identity import SegmentId, make_namespace, segment_id  # noqa: E402
-from kmesh_blend.segments.index import SegmentIndex, SegmentState  # noqa: E402
-from kmesh_blend.segments.master import Master, MasterLayout  # noqa: E402
-from kmesh_blend.segments.notice import Notice  # noqa: E402
-from kmesh_blend.segments.store import LMCacheMasterStore, open_store  # noqa: E402
+from kmesh_blend.segments.cache import SegmentCache
+from kmesh_blend.segments.identity import SegmentId, make_namespace, segment_id
+from kmesh_blend.segments.index import SegmentIndex, SegmentState
+from kmesh_blend.segments.master import Master, MasterLayout
+from kmesh_blend.segments.notice import Notice
+from kmesh_blend.segments.store import LMCacheMasterStore, open_store
 
 LAYOUT = MasterLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32")
 NS = make_namespace("tiny", "float32", num_layers=2, num_kv_heads=2, head_dim=32)
