@@ -18,6 +18,7 @@ its siblings, so a group gives the same bits in any schedule (CPU GEMMs are not 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -26,7 +27,14 @@ from kmesh_blend.blend.plan import BlendOptions, BlendRequest, check_ratios, kee
 from kmesh_blend.models.layerwise import LayerwiseModel, causal_mask
 from kmesh_blend.ops import token_deviation
 
-__all__ = ["BlendResult", "RequestBlend"]
+__all__ = ["AttentionHook", "BlendResult", "RequestBlend"]
+
+# (layer, q [n, H, D] rotated, layer K / V [T, Hkv, D], q positions [n] ascending) → [n, H, D]:
+# causal attention of the computed tokens over the layer's KV, when a caller (the vLLM worker)
+# runs it on another kernel than the model's own `attend`.
+AttentionHook = Callable[
+    [int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 
 
 class BlendResult(NamedTuple):
@@ -50,7 +58,8 @@ class RequestBlend:
 
     ``borrowed``: [T] bool, reused tokens this request never computes itself (collective mode:
     their rows come from the segment's leader). ``per_segment``: select the top share within each
-    segment instead of across all reused tokens.
+    segment instead of across all reused tokens. ``attention``: run attention through this hook
+    instead of ``model.attend``.
     """
 
     def __init__(
@@ -60,9 +69,11 @@ class RequestBlend:
         options: BlendOptions,
         borrowed: torch.Tensor | None = None,
         per_segment: bool = False,
+        attention: AttentionHook | None = None,
     ) -> None:
         options.validate_for(model.shape.num_layers)
         self.model, self.request, self.options = model, request, options
+        self.attention = attention
         num_tokens = request.token_ids.numel()
         self.positions = torch.arange(num_tokens, dtype=torch.int64)
         self.reused = request.reused_mask
@@ -109,7 +120,10 @@ class RequestBlend:
                 raise ValueError(f"layer {layer}: stored KV is required for reused tokens")
             layer_k, layer_v = stored_k.clone(), stored_v.clone()
             layer_k[self.computed], layer_v[self.computed] = k, v
-        attn = m.attend(q, layer_k, layer_v, causal_mask(pos, self.positions))
+        if self.attention is not None:
+            attn = self.attention(layer, q, layer_k, layer_v, pos)
+        else:
+            attn = m.attend(q, layer_k, layer_v, causal_mask(pos, self.positions))
         self.hidden = m.finish_layer(layer, self.hidden, attn)
         self.keys.append(layer_k)
         self.values.append(layer_v)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kmesh_blend.blend.executor import BlendResult, RequestBlend
+from kmesh_blend.blend.executor import AttentionHook, BlendResult, RequestBlend
 from kmesh_blend.blend.plan import BlendOptions, BlendRequest, SegmentUse
 from kmesh_blend.blend.source import SegmentSource
 from kmesh_blend.models.layerwise import LayerwiseModel
@@ -43,9 +43,12 @@ def blend_group(
     requests: Sequence[BlendRequest],
     source: SegmentSource,
     options: BlendOptions,
+    attention: Sequence[AttentionHook | None] | None = None,
 ) -> list[BlendResult]:
-    """Prefill ``requests`` reusing the stored segments of ``source``; results in input order."""
-    group = _Group(model, list(requests), source, options)
+    """Prefill ``requests`` reusing the stored segments of ``source``; results in input order.
+
+    ``attention``: optional per-request attention hooks (see `RequestBlend`)."""
+    group = _Group(model, list(requests), source, options, attention)
     num_layers = model.shape.num_layers
     if options.schedule == "sequential":
         for i in range(len(requests)):
@@ -66,6 +69,7 @@ class _Group:
         requests: list[BlendRequest],
         source: SegmentSource,
         options: BlendOptions,
+        attention: Sequence[AttentionHook | None] | None = None,
     ) -> None:
         if options.selection not in ("per_request", "collective"):
             raise ValueError(f"selection={options.selection!r}; valid: 'per_request', 'collective'")
@@ -81,7 +85,8 @@ class _Group:
             borrowed = torch.zeros(req.token_ids.numel(), dtype=torch.bool)
             for use in self._borrowed_uses(i) if collective else []:
                 borrowed[use.start : use.end] = True
-            self.states.append(RequestBlend(model, req, options, borrowed, collective))
+            hook = attention[i] if attention is not None else None
+            self.states.append(RequestBlend(model, req, options, borrowed, collective, hook))
 
     def _borrowed_uses(self, i: int) -> list[SegmentUse]:
         return [u for u in self.requests[i].uses if self.leader[u.segment_id][0] != i]

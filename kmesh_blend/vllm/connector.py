@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KMeshConnector"]
 
-log = logging.getLogger("kmesh_blend.vllm")
+log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 
 class KMeshConnector(KVConnectorBase_V1):

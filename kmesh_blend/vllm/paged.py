@@ -22,7 +22,7 @@ from kmesh_blend.ops import gather_paged, scatter_paged
 
 __all__ = ["PagedLayout", "slot_mapping"]
 
-log = logging.getLogger("kmesh_blend.vllm")
+log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 ViewFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

@@ -26,7 +26,7 @@ from kmesh_blend.vllm.meta import (
 
 __all__ = ["SchedulerSide"]
 
-log = logging.getLogger("kmesh_blend.vllm")
+log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 
 @dataclass

@@ -24,10 +24,11 @@ from kmesh_blend.segments.master import MasterLayout
 from kmesh_blend.segments.store import open_store
 from kmesh_blend.vllm.meta import KMeshMetadata, KMeshWorkerMetadata, LoadRequest
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
+from kmesh_blend.vllm.paged_attention import PagedAttention
 
 __all__ = ["WorkerSide", "set_fault_injector"]
 
-log = logging.getLogger("kmesh_blend.vllm")
+log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 # Test hook: called with each LoadRequest; a non-None string fails that load with this reason.
 _fault_injector: Callable[[LoadRequest], str | None] | None = None
@@ -58,6 +59,7 @@ class WorkerSide:
         self.attn_layers = static_forward_context
         self.kv_caches: list[torch.Tensor] = []
         self.paged: PagedLayout | None = None
+        self.kernel: PagedAttention | None = None  # vLLM's attention kernel for blends, if checked
         self.failed_blocks: set[int] = set()
         self.out = KMeshWorkerMetadata()
 
@@ -73,6 +75,11 @@ class WorkerSide:
             self.attn_layers.get(names[0]), self.kv_caches[0], shape.num_kv_heads, shape.head_dim,
             self.block_size,
         )  # fmt: skip
+        if self.paged is not None:
+            self.kernel = PagedAttention.create(
+                [self.attn_layers[n] for n in names], self.kv_caches, self.paged,
+                shape.num_heads, shape.num_kv_heads, shape.head_dim, self.model.attend,
+            )  # fmt: skip
 
     @torch.no_grad()
     def load(self, meta: KMeshMetadata) -> None:
@@ -88,12 +95,20 @@ class WorkerSide:
                 self._fail(load, reason)
         if not ready:
             return
+        # With vLLM's kernel, each layer's KV goes into the paged cache as the blend runs.
+        hooks = [
+            self.kernel.hook(load.block_ids, len(load.token_ids))
+            if self.kernel is not None and load.first == 0
+            else None
+            for load, _ in ready
+        ]
         try:
             results = blend_group(
-                self.model, [b for _, b in ready], MasterSource(masters), self.options
+                self.model, [b for _, b in ready], MasterSource(masters), self.options, hooks
             )
-            for (load, _), result in zip(ready, results, strict=True):
-                self._write(load, result.keys, result.values)
+            for (load, _), result, hook in zip(ready, results, hooks, strict=True):
+                if hook is None:
+                    self._write(load, result.keys, result.values)
                 report = self.out.reports.setdefault(load.req_id, {})
                 report["reused_tokens"] = int(result.num_reused)
                 report["recomputed_tokens"] = int(result.num_recomputed)

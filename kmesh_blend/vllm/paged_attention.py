@@ -1,0 +1,130 @@
+"""Attention of a blend's computed tokens through vLLM's own CPU attention kernel.
+
+Our fused-SDPA attention is exact but, inside vLLM's process, several times slower than vLLM's
+CPU kernel. This module runs the blend's attention on that kernel instead: each layer's KV (fresh
+rows where computed, re-positioned stored rows elsewhere) is written into the request's own paged
+blocks, and the computed tokens, grouped into runs of consecutive positions, attend as causal
+"requests" whose sequence ends at each run's last token (a run [a, b) sees keys 0..b−1, bottom-
+right causal: exactly the causal mask of those queries).
+
+It is used only after a start-up self-check against the reference attention passes; otherwise the
+blend keeps the reference path (one log line).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
+
+__all__ = ["PagedAttention"]
+
+log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
+
+Hook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PagedAttention:
+    def __init__(self, layers: list[Any], caches: list[torch.Tensor], layout: PagedLayout,
+                 num_heads: int, num_kv_heads: int, head_dim: int) -> None:  # fmt: skip
+        self.layers, self.caches, self.layout = layers, caches, layout
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.block_size = layout.block_size
+
+    @classmethod
+    def create(cls, layers: list[Any], caches: list[torch.Tensor], layout: PagedLayout,
+               num_heads: int, num_kv_heads: int, head_dim: int,
+               reference: Any) -> PagedAttention | None:  # fmt: skip
+        """A checked instance, or None when vLLM's CPU kernel is unavailable or disagrees with
+        ``reference`` (a `LayerwiseModel`'s ``attend``) on a scratch input."""
+        if layout.name not in ("cpu_k_transposed", "cpu_rows"):
+            return None
+        try:
+            from vllm import _custom_ops  # noqa: F401
+        except ImportError:
+            return None
+        self = cls(layers, caches, layout, num_heads, num_kv_heads, head_dim)
+        problem = self._self_check(reference)
+        if problem is not None:
+            log.warning("kmesh: vLLM attention kernel not used for blends: %s", problem)
+            return None
+        log.info("kmesh: blend attention runs on vLLM's CPU attention kernel (self-check passed)")
+        return self
+
+    def hook(
+        self, block_ids: list[int], num_tokens: int, caches: list[torch.Tensor] | None = None
+    ) -> Hook:
+        """Attention callback for one request holding ``block_ids`` (all its T prompt tokens)."""
+        caches = caches if caches is not None else self.caches
+        slots = slot_mapping(block_ids, self.block_size, 0, num_tokens)
+        table = torch.tensor(block_ids, dtype=torch.int32)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   q_positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
+            cache = caches[layer]
+            self.layout.write(cache, k, v, slots)
+            return self._attend(layer, cache, table, q, q_positions)
+
+        return attend
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _attend(self, layer: int, cache: torch.Tensor, table: torch.Tensor, q: torch.Tensor,
+                q_positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        from vllm import _custom_ops as ops
+
+        attn = self.layers[layer]
+        impl = attn.impl
+        # Runs of consecutive positions become causal "requests" ending at the run's last token.
+        breaks = torch.nonzero(q_positions[1:] != q_positions[:-1] + 1).squeeze(1) + 1
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+        ends = torch.cat([breaks, torch.tensor([q_positions.numel()])])
+        query_start_loc = torch.cat([starts, ends[-1:]]).to(torch.int32)
+        seq_lens = (q_positions[ends - 1] + 1).to(torch.int32)
+        num_runs = int(starts.numel())
+        block_table = table[None, :].expand(num_runs, -1).contiguous()
+        metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=num_runs, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, seq_lens=seq_lens, dtype=q.dtype,
+            query_start_loc=query_start_loc, causal=True, sliding_window_size=-1,
+            isa=attn.isa, enable_kv_split=False, dynamic_causal=None,
+            kv_cache_dtype=impl.kv_cache_dtype,
+        )  # fmt: skip
+        base = cache.view(cache.shape[0], self.num_kv_heads, 2 * self.block_size, self.head_dim)
+        key_cache, value_cache = base.chunk(2, dim=2)
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=impl.scale, causal=True,
+            alibi_slopes=impl.alibi_slopes, sliding_window=impl.sliding_window,
+            block_table=block_table, softcap=impl.logits_soft_cap,
+            scheduler_metadata=metadata, s_aux=None, dynamic_causal=None,
+            k_scale=attn._k_scale_float, v_scale=attn._v_scale_float,
+            kv_cache_dtype=impl.kv_cache_dtype,
+        )  # fmt: skip
+        return out
+
+    def _self_check(self, reference: Any) -> str | None:
+        """Compare with the reference attention on scratch blocks (not the live cache)."""
+        from kmesh_blend.models.layerwise import causal_mask
+
+        try:
+            n = 2 * self.block_size - 5
+            scratch = [self.caches[0].new_zeros((3, *self.caches[0].shape[1:]))]
+            gen = torch.Generator().manual_seed(0)
+            dtype = self.caches[0].dtype
+            k = torch.randn(n, self.num_kv_heads, self.head_dim, generator=gen).to(dtype)
+            v = torch.randn(n, self.num_kv_heads, self.head_dim, generator=gen).to(dtype)
+            pos = torch.tensor(sorted(set(range(0, 9)) | set(range(20, n, 7)) | {n - 1}))
+            q = torch.randn(pos.numel(), self.num_heads, self.head_dim, generator=gen).to(dtype)
+            got = self.hook([2, 0], n, scratch)(0, q, k, v, pos)
+            want = reference(q, k, v, causal_mask(pos, torch.arange(n)))
+        except Exception as exc:  # any failure means: keep the reference path
+            return f"{type(exc).__name__}: {exc}"
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        err = float((got.float() - want.float()).abs().max())
+        return None if err <= tol else f"differs from the reference by {err:.2e} (tolerance {tol})"
