@@ -89,6 +89,7 @@ class RequestBlend:
             self.checks = {}
             computed = self.always.clone()
         self.computed = computed.nonzero().squeeze(1)  # [n] int64, ascending
+        self._pos_for, self._pos = self.computed, self.positions[self.computed]
         self.hidden = model.embed(request.token_ids[self.computed])
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -106,13 +107,13 @@ class RequestBlend:
         the request computes every token in this layer."""
         m = self.model
         q, k, v = m.project_qkv(layer, self.hidden)
-        pos = self.positions[self.computed]
+        pos = self._computed_positions()
         q, k = m.rope.apply(q, pos), m.rope.apply(k, pos)
         if layer in self.checks and stored_k is not None and stored_v is not None:
             keep = self._select(layer, k, v, stored_k, stored_v)
             q, k, v, self.hidden = q[keep], k[keep], v[keep], self.hidden[keep]
             self.computed = self.computed[keep]
-            pos = self.positions[self.computed]
+            pos = self._computed_positions()
         if self.computes_everything:
             layer_k, layer_v = k, v
         else:
@@ -141,6 +142,14 @@ class RequestBlend:
         )
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _computed_positions(self) -> torch.Tensor:
+        """[n] positions of the computed tokens; the same tensor until the set changes, so the
+        rotary tables computed for it are reused across layers."""
+        if self._pos_for is not self.computed:
+            self._pos_for = self.computed
+            self._pos = self.positions[self.computed]
+        return self._pos
 
     def _check_plan(self, own: torch.Tensor, per_segment: bool) -> dict[int, list[tuple]]:
         """Check layer → list of (candidate mask [T] bool, tokens to keep) groups."""

@@ -88,12 +88,20 @@ class RotaryEmbedding:
     def __init__(self, config: RopeConfig) -> None:
         self.config = config
         self.inv_freq = _inv_freq(config)  # [head_dim/2] fp32
+        # The last tables, kept while callers pass the very same positions tensor again (q and k
+        # of a layer, and the layers that compute the same tokens). Positions are never mutated.
+        self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``positions``: [T] int → (cos, sin), each [T, head_dim] in ``dtype``."""
+        memo = self._memo
+        if memo is not None and memo[0] is positions and memo[1] == dtype:
+            return memo[2], memo[3]
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((angles, angles), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self._memo = (positions, dtype, cos, sin)
+        return cos, sin
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x``: [T, heads, head_dim] (any float dtype) to ``positions``: [T] int.
