@@ -103,8 +103,9 @@ class RequestBlend:
         self, layer: int, stored_k: torch.Tensor | None, stored_v: torch.Tensor | None
     ) -> None:
         """Run one layer. ``stored_k`` / ``stored_v``: [T, Hkv, D], this layer's stored KV already
-        re-positioned to this request's positions (rows of unreused tokens are ignored); None when
-        the request computes every token in this layer."""
+        re-positioned to this request's positions (rows of unreused tokens are ignored), or None
+        when the request computes every token in this layer. The call takes ownership of them:
+        computed rows are written into them and they become the layer's KV."""
         m = self.model
         q, k, v = m.project_qkv(layer, self.hidden)
         pos = self._computed_positions()
@@ -119,7 +120,7 @@ class RequestBlend:
         else:
             if stored_k is None or stored_v is None:
                 raise ValueError(f"layer {layer}: stored KV is required for reused tokens")
-            layer_k, layer_v = stored_k.clone(), stored_v.clone()
+            layer_k, layer_v = stored_k, stored_v  # the frames are ours to fill (see `step`)
             layer_k[self.computed], layer_v[self.computed] = k, v
         if self.attention is not None:
             attn = self.attention(layer, q, layer_k, layer_v, pos)

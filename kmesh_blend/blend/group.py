@@ -74,6 +74,7 @@ class _Group:
         if options.selection not in ("per_request", "collective"):
             raise ValueError(f"selection={options.selection!r}; valid: 'per_request', 'collective'")
         self.model, self.requests, self.source, self.options = model, requests, source, options
+        self._shift_memo: dict[tuple[object, ...], torch.Tensor] = {}
         collective = options.selection == "collective"
         # segment id → (request index, use) of its first user: the leader in collective mode.
         self.leader: dict[str, tuple[int, SegmentUse]] = {}
@@ -139,10 +140,9 @@ class _Group:
             frames[i] = (blank, blank.clone())
         for (segment_id, from_leader), users in wanted.items():
             k, v, positions = self._read(segment_id, layer, from_leader)
-            new = torch.cat([torch.arange(u.start, u.end) for _, u in users])
             moved = reposition_keys(
                 k.repeat(len(users), 1, 1),
-                new - positions.repeat(len(users)),
+                self._shifts(segment_id, from_leader, users, positions),
                 self.model.rope.inv_freq,
                 self.options.backend,
             )
@@ -153,6 +153,18 @@ class _Group:
                 frames[i][1][use.start : use.end] = v
                 offset += n
         return frames
+
+    def _shifts(
+        self, segment_id: str, from_leader: bool, users: list[tuple[int, SegmentUse]],
+        positions: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """[rows] int64 position shifts (new − stored) for ``users`` of a segment; the same tensor
+        for every layer, so the rotation tables built for it are reused."""
+        key = (segment_id, from_leader, tuple(users))
+        if key not in self._shift_memo:
+            new = torch.cat([torch.arange(u.start, u.end) for _, u in users])
+            self._shift_memo[key] = new - positions.repeat(len(users))
+        return self._shift_memo[key]
 
     def _read(
         self, segment_id: str, layer: int, from_leader: bool

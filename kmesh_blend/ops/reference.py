@@ -26,13 +26,24 @@ def rope_tables(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tens
     Computed once per distinct shift with a fixed shape, so a shift's table is bit-identical no
     matter how many rows or which other shifts share the call.
     """
+    global _tables_memo
+    memo = _tables_memo
+    if memo is not None and memo[0] is delta and memo[1] is inv_freq:
+        return memo[2], memo[3]
     unique, inverse = torch.unique(delta, return_inverse=True)
     cos = torch.empty(unique.numel(), inv_freq.numel(), dtype=torch.float32)
     sin = torch.empty_like(cos)
     for i, d in enumerate(unique.tolist()):
         angle = torch.full((1,), float(d), dtype=torch.float32) * inv_freq.float()[None, :]
         cos[i], sin[i] = angle.cos()[0], angle.sin()[0]
-    return cos[inverse], sin[inverse]
+    out = cos[inverse], sin[inverse]
+    _tables_memo = (delta, inv_freq, *out)
+    return out
+
+
+# The last tables, reused while callers pass the very same ``delta`` tensor again (the blend does,
+# layer after layer). Inputs are never mutated in place.
+_tables_memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @torch.no_grad()
