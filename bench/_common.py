@@ -9,7 +9,40 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kmesh_blend.blend import (
+    BlendRequest,
+    DenseSegmentSource,
+    SegmentUse,
+    segment_kv_from_prefill,
+)
+from kmesh_blend.models import LayerwiseModel
+
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def follow_up_family(
+    model: LayerwiseModel,
+    doc_len: int,
+    num_requests: int,
+    private_step: int = 0,
+    source_cls: type[DenseSegmentSource] = DenseSegmentSource,
+) -> tuple[list[BlendRequest], DenseSegmentSource]:
+    """The benchmarks' shared workload: a random document of ``doc_len`` tokens stored as master
+    ``"doc"`` (prefilled alone at positions 0..doc_len−1), and follow-ups = private tokens
+    (64 + i·``private_step``) + the document + 32 question tokens. Seeded: same every run."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.shape.vocab_size
+    doc = torch.randint(3, vocab, (doc_len,), generator=gen)
+    source = source_cls({"doc": segment_kv_from_prefill(model, doc)})
+    requests = []
+    for i in range(num_requests):
+        private = torch.randint(3, vocab, (64 + private_step * i,), generator=gen)
+        question = torch.randint(3, vocab, (32,), generator=gen)
+        use = SegmentUse(private.numel(), private.numel() + doc_len, "doc")
+        requests.append(BlendRequest(torch.cat([private, doc, question]), (use,)))
+    return requests, source
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:

@@ -17,15 +17,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved, plot_bars
+from _common import emit, follow_up_family, interleaved, plot_bars
 
 from kmesh_blend.blend import (
     BlendOptions,
-    BlendRequest,
-    DenseSegmentSource,
-    SegmentUse,
     blend_one,
-    segment_kv_from_prefill,
 )
 from kmesh_blend.models import ReferenceModel, prefill
 from kmesh_blend.testing import BENCH_LLAMA, build_checkpoint
@@ -41,16 +37,9 @@ def main() -> None:
     repeats = 1 if args.quick else 5
 
     model = ReferenceModel.load(build_checkpoint(BENCH_LLAMA), torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    vocab = model.shape.vocab_size
-    doc = torch.randint(3, vocab, (doc_len,), generator=gen)
-    private, question = (
-        torch.randint(3, vocab, (64,), generator=gen),
-        torch.randint(3, vocab, (32,), generator=gen),
-    )
-    ids = torch.cat([private, doc, question])
-    source = DenseSegmentSource({"doc": segment_kv_from_prefill(model, doc)})
-    request = BlendRequest(ids, (SegmentUse(64, 64 + doc_len, "doc"),))
+    requests, source = follow_up_family(model, doc_len, 1)
+    request = requests[0]
+    ids = request.token_ids
 
     options = {ratio: BlendOptions(recompute_ratio=ratio, backend="torch") for ratio in RATIOS}
     fns = {"full": lambda: prefill(model, ids, last_only=True)}

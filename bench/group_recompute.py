@@ -22,15 +22,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved, plot_bars
+from _common import emit, follow_up_family, interleaved, plot_bars
 
 from kmesh_blend.blend import (
     BlendOptions,
-    BlendRequest,
     DenseSegmentSource,
-    SegmentUse,
     blend_group,
-    segment_kv_from_prefill,
 )
 from kmesh_blend.models import ReferenceModel
 from kmesh_blend.testing import BENCH_LLAMA, build_checkpoint
@@ -53,16 +50,7 @@ def main() -> None:
     repeats = 1 if args.quick else 5
 
     model = ReferenceModel.load(build_checkpoint(BENCH_LLAMA), torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    vocab = model.shape.vocab_size
-    doc = torch.randint(3, vocab, (doc_len,), generator=gen)
-    source = HostCopySource({"doc": segment_kv_from_prefill(model, doc)})
-    requests = []
-    for _ in range(args.group):
-        private = torch.randint(3, vocab, (64,), generator=gen)
-        question = torch.randint(3, vocab, (32,), generator=gen)
-        ids = torch.cat([private, doc, question])
-        requests.append(BlendRequest(ids, (SegmentUse(64, 64 + doc_len, "doc"),)))
+    requests, source = follow_up_family(model, doc_len, args.group, source_cls=HostCopySource)
 
     configs = {
         "sequential per_request": BlendOptions(schedule="sequential", backend="torch"),

@@ -27,16 +27,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved, plot_bars
+from _common import emit, follow_up_family, interleaved, plot_bars
 
 from kmesh_blend.blend import (
     BlendOptions,
-    BlendRequest,
-    DenseSegmentSource,
-    SegmentUse,
     blend_group,
     master_tensor,
-    segment_kv_from_prefill,
 )
 from kmesh_blend.mirror.codec import GRANULARITIES, encode, predict_layer
 from kmesh_blend.mirror.restore import plan_restore, restore_layer
@@ -59,19 +55,9 @@ def main() -> None:
     torch.manual_seed(0)
 
     model = ReferenceModel.load(build_checkpoint(BENCH_LLAMA), torch.bfloat16)
-    gen = torch.Generator().manual_seed(0)
-    vocab = model.shape.vocab_size
-    doc = torch.randint(3, vocab, (doc_len,), generator=gen)
-    master = segment_kv_from_prefill(model, doc)
-    source = DenseSegmentSource({"doc": master})
+    requests, source = follow_up_family(model, doc_len, SIBLINGS, private_step=8)
+    master = source.segments["doc"]
     master_kv = master_tensor(master)
-    requests = []
-    for i in range(SIBLINGS):
-        private = torch.randint(3, vocab, (64 + 8 * i,), generator=gen)
-        question = torch.randint(3, vocab, (32,), generator=gen)
-        start = private.numel()
-        uses = (SegmentUse(start, start + doc_len, "doc"),)
-        requests.append(BlendRequest(torch.cat([private, doc, question]), uses))
 
     inv_freq = model.rope.inv_freq
     elem = master_kv.element_size()
