@@ -66,7 +66,9 @@ class PagedAttention:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    q_positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
             cache = caches[layer]
-            self.layout.write(cache, k, v, slots)
+            attn = self.layers[layer]
+            # The backend's own vectorized write (the layout read-back was verified against it).
+            attn.impl.do_kv_cache_update(attn, k, v, cache, slots)
             return self._attend(layer, cache, table, q, q_positions)
 
         return attend
