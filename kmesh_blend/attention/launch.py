@@ -15,6 +15,7 @@ import torch
 
 from kmesh_blend.attention import reference
 from kmesh_blend.ops import reposition_keys
+from kmesh_blend.ops.launch import next_pow2
 
 __all__ = ["CascadeBackend", "level_state", "merge_state"]
 
@@ -105,7 +106,8 @@ def merge_state(
         block_r = 32  # (token, head) rows per program
         merge_state_kernel[(-(-n * h // block_r),)](
             va, sa, vb, sb, vo, so, n * h, *va.stride(), *sa.stride(), *vb.stride(),
-            *sb.stride(), *vo.stride(), *so.stride(), H=h, D=d, BLOCK_R=block_r, BLOCK_D=_pow2(d),
+            *sb.stride(), *vo.stride(), *so.stride(), H=h, D=d, BLOCK_R=block_r,
+            BLOCK_D=next_pow2(d),
         )  # fmt: skip
     return vo, so
 
@@ -146,13 +148,13 @@ def _level_triton(
         shift, freq = q_limits, torch.zeros(1, dtype=torch.float32, device=q.device)
     if d % 2 or d // 2 < _MIN_TILE:
         raise ValueError(f"the Triton level kernel needs an even head_dim ≥ 32, got {d}")
-    block_m = max(_MIN_TILE, min(64, _pow2(m * group)))
+    block_m = max(_MIN_TILE, min(64, next_pow2(m * group)))
     grid = (-(-m * group // block_m), hkv)
     level_attention_kernel[grid](
         q, shift, freq, k, v, k_positions, q_limits, excl, excl_row, out, lse, m, s_len,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), excl.stride(0),
         scale * reference.LOG2E,
-        GROUP=group, HALF=d // 2, D=d, BLOCK_HALF=_pow2(d // 2), BLOCK_D=_pow2(d),
+        GROUP=group, HALF=d // 2, D=d, BLOCK_HALF=next_pow2(d // 2), BLOCK_D=next_pow2(d),
         BLOCK_M=block_m, BLOCK_N=32, HAS_SHIFT=has_shift, HAS_EXCLUDE=has_exclude,
     )  # fmt: skip
     return out, lse
@@ -187,10 +189,6 @@ def _level_flashinfer(
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _check_level(

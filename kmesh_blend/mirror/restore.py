@@ -26,6 +26,7 @@ import torch
 from kmesh_blend.mirror import reference
 from kmesh_blend.mirror.codec import PREDICTOR, Mirror, row_index
 from kmesh_blend.ops import Backend
+from kmesh_blend.ops.launch import use_triton
 from kmesh_blend.ops.reference import rope_tables
 
 __all__ = ["RestorePlan", "mirror_kernel_ok", "plan_restore", "restore_layer"]
@@ -128,7 +129,7 @@ def restore_layer(
         raise ValueError(f"slots out of range [0, {k_cache.shape[0] * block_size})")
     if not 0 <= layer < master_kv.shape[0]:
         raise ValueError(f"layer {layer} outside [0, {master_kv.shape[0]})")
-    if _use_triton(backend, master_kv):
+    if use_triton(backend, master_kv, mirror_kernel_ok):
         _launch(plan, master_kv, layer, k_cache, v_cache, slots, block_size)
         return
     reference.restore_paged_reference(
@@ -176,16 +177,6 @@ def run_self_check(device: torch.device | str) -> str | None:
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-
-def _use_triton(backend: Backend, like: torch.Tensor) -> bool:
-    if backend == "triton":
-        return True
-    if backend == "torch":
-        return False
-    if backend != "auto":
-        raise ValueError(f"backend={backend!r}; valid: 'auto', 'torch', 'triton'")
-    return like.device.type == "cuda" and mirror_kernel_ok(like.device)
 
 
 def _launch(

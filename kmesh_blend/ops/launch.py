@@ -8,6 +8,7 @@ passed (`kmesh_blend.ops.selfcheck`), torch otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -33,7 +34,7 @@ def reposition_keys(
     if k.shape[-1] % 2 or inv_freq.shape != (k.shape[-1] // 2,):
         raise ValueError(f"inv_freq must be [{k.shape[-1] // 2}], got {tuple(inv_freq.shape)}")
     _check_index("delta", delta, k.shape[0], k.device)
-    if _use_triton(backend, k):
+    if use_triton(backend, k):
         from kmesh_blend.kernels.reposition import reposition_kernel
 
         out = torch.empty_like(k)
@@ -41,7 +42,7 @@ def reposition_keys(
             half = k.shape[-1] // 2
             reposition_kernel[(k.shape[0], k.shape[1])](
                 k, out, delta, inv_freq.float().contiguous(), *k.stride(), *out.stride(),
-                HALF=half, BLOCK_HALF=_pow2(half),
+                HALF=half, BLOCK_HALF=next_pow2(half),
             )  # fmt: skip
         return out
     return reference.reposition_reference(k, delta, inv_freq)
@@ -57,7 +58,7 @@ def token_deviation(
             f"stored must match fresh {tuple(fresh.shape)} {fresh.dtype}, "
             f"got {tuple(stored.shape)} {stored.dtype}"
         )
-    if _use_triton(backend, fresh):
+    if use_triton(backend, fresh):
         from kmesh_blend.kernels.deviation import deviation_kernel
 
         n, h, d = fresh.shape
@@ -65,7 +66,7 @@ def token_deviation(
         if n:
             deviation_kernel[(n,)](
                 fresh, stored, out, *fresh.stride(), *stored.stride(),
-                H=h, D=d, BLOCK_H=_pow2(h), BLOCK_D=_pow2(d),
+                H=h, D=d, BLOCK_H=next_pow2(h), BLOCK_D=next_pow2(d),
             )  # fmt: skip
         return out
     return reference.deviation_reference(fresh, stored)
@@ -83,14 +84,14 @@ def scatter_paged(
     ``cache``: a ``[block, head, offset, dim]`` view of one layer's K (or V) cache; any strides.
     """
     _check_paged(rows, cache, slots, block_size)
-    if _use_triton(backend, rows):
+    if use_triton(backend, rows):
         from kmesh_blend.kernels.paged import scatter_paged_kernel
 
         if rows.shape[0]:
             d = rows.shape[-1]
             scatter_paged_kernel[(rows.shape[0], rows.shape[1])](
                 rows, cache, slots, *rows.stride(), *cache.stride(),
-                D=d, BLOCK_D=_pow2(d), BLOCK_SIZE=block_size,
+                D=d, BLOCK_D=next_pow2(d), BLOCK_SIZE=block_size,
             )  # fmt: skip
         return
     reference.scatter_paged_reference(rows, cache, slots, block_size)
@@ -103,13 +104,13 @@ def gather_paged(
     _, heads, _, d = cache.shape
     rows = torch.empty(slots.shape[0], heads, d, dtype=cache.dtype, device=cache.device)
     _check_paged(rows, cache, slots, block_size)
-    if _use_triton(backend, cache):
+    if use_triton(backend, cache):
         from kmesh_blend.kernels.paged import gather_paged_kernel
 
         if rows.shape[0]:
             gather_paged_kernel[(rows.shape[0], heads)](
                 cache, rows, slots, *rows.stride(), *cache.stride(),
-                D=d, BLOCK_D=_pow2(d), BLOCK_SIZE=block_size,
+                D=d, BLOCK_D=next_pow2(d), BLOCK_SIZE=block_size,
             )  # fmt: skip
         return rows
     return reference.gather_paged_reference(cache, slots, block_size)
@@ -118,7 +119,12 @@ def gather_paged(
 # --- helpers ------------------------------------------------------------------------------------
 
 
-def _use_triton(backend: Backend, like: torch.Tensor) -> bool:
+def use_triton(
+    backend: Backend, like: torch.Tensor, kernels_ok: Callable[[torch.device], bool] | None = None
+) -> bool:
+    """The dispatch rule of every launcher: ``"triton"`` / ``"torch"`` as asked; ``"auto"`` picks
+    Triton only for CUDA tensors whose kernels passed their self-check (``kernels_ok``, by default
+    this module's kernels)."""
     if backend == "triton":
         return True
     if backend == "torch":
@@ -127,12 +133,15 @@ def _use_triton(backend: Backend, like: torch.Tensor) -> bool:
         raise ValueError(f"backend={backend!r}; valid: 'auto', 'torch', 'triton'")
     if like.device.type != "cuda":
         return False
-    from kmesh_blend.ops.selfcheck import triton_ok
+    if kernels_ok is None:
+        from kmesh_blend.ops.selfcheck import triton_ok
 
-    return triton_ok(like.device)
+        return triton_ok(like.device)
+    return kernels_ok(like.device)
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """Smallest power of two ≥ n (Triton block sizes)."""
     return 1 << max(0, (n - 1).bit_length())
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
+from tests.segments.conftest import _free_port
 from tests.vllm.family import DOC_LEN, kv_transfer_config, prompts
 
 pytestmark = pytest.mark.vllm
@@ -41,12 +41,6 @@ def test_two_engines_share_an_lm_store(lm_server: str) -> None:
     assert all(report["reused_tokens"] >= DOC_LEN for _, report in second)
     assert all(report["storage_reads"] >= 1 for _, report in second[:1])
     assert [tokens for tokens, _ in second] == [tokens for tokens, _ in first]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
