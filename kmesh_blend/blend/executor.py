@@ -18,7 +18,7 @@ its siblings, so a group gives the same bits in any schedule (CPU GEMMs are not 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -27,7 +27,7 @@ from kmesh_blend.blend.plan import BlendOptions, BlendRequest, check_ratios, kee
 from kmesh_blend.models.layerwise import LayerwiseModel, causal_mask
 from kmesh_blend.ops import token_deviation
 
-__all__ = ["AttentionHook", "BlendResult", "RequestBlend"]
+__all__ = ["AttentionHook", "AttentionInput", "BlendResult", "GroupAttention", "RequestBlend"]
 
 # (layer, q [n, H, D] rotated, layer K / V [T, Hkv, D], q positions [n] ascending) → [n, H, D]:
 # causal attention of the computed tokens over the layer's KV, when a caller (the vLLM worker)
@@ -35,6 +35,22 @@ __all__ = ["AttentionHook", "BlendResult", "RequestBlend"]
 AttentionHook = Callable[
     [int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
+
+
+class AttentionInput(NamedTuple):
+    """What one request's layer hands to attention: q [n, H, D] rotated at ``positions`` [n]
+    int64 ascending (the computed tokens), and the layer's full KV ``layer_k`` / ``layer_v``
+    [T, Hkv, D] (keys at positions 0..T-1)."""
+
+    q: torch.Tensor
+    layer_k: torch.Tensor
+    layer_v: torch.Tensor
+    positions: torch.Tensor
+
+
+# (layer, member indices into the group, their inputs) → per member [n_i, H, D]: attention of a
+# whole wave of siblings in one call, so a shared segment can be read once for the group.
+GroupAttention = Callable[[int, Sequence[int], Sequence[AttentionInput]], list[torch.Tensor]]
 
 
 class BlendResult(NamedTuple):
@@ -93,6 +109,7 @@ class RequestBlend:
         self.hidden = model.embed(request.token_ids[self.computed])
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self._pending: AttentionInput | None = None
 
     @property
     def computes_everything(self) -> bool:
@@ -102,10 +119,23 @@ class RequestBlend:
     def step(
         self, layer: int, stored_k: torch.Tensor | None, stored_v: torch.Tensor | None
     ) -> None:
-        """Run one layer. ``stored_k`` / ``stored_v``: [T, Hkv, D], this layer's stored KV already
-        re-positioned to this request's positions (rows of unreused tokens are ignored), or None
-        when the request computes every token in this layer. The call takes ownership of them:
-        computed rows are written into them and they become the layer's KV."""
+        """Run one layer: `begin`, attention (the hook or ``model.attend``), `end`."""
+        inp = self.begin(layer, stored_k, stored_v)
+        self.end(layer, self.attend(layer, inp))
+
+    @torch.no_grad()
+    def begin(
+        self, layer: int, stored_k: torch.Tensor | None, stored_v: torch.Tensor | None
+    ) -> AttentionInput:
+        """First half of a layer: project, rotate, select at a check layer, build the layer's KV.
+
+        ``stored_k`` / ``stored_v``: [T, Hkv, D], this layer's stored KV already re-positioned to
+        this request's positions (rows of unreused tokens are ignored), or None when the request
+        computes every token in this layer. The call takes ownership of them: computed rows are
+        written into them and they become the layer's KV. Follow with `end` for the same layer.
+        """
+        if self._pending is not None or layer != len(self.keys):
+            raise RuntimeError(f"begin({layer}) out of order: {len(self.keys)} layers done")
         m = self.model
         q, k, v = m.project_qkv(layer, self.hidden)
         pos = self._computed_positions()
@@ -120,15 +150,30 @@ class RequestBlend:
         else:
             if stored_k is None or stored_v is None:
                 raise ValueError(f"layer {layer}: stored KV is required for reused tokens")
-            layer_k, layer_v = stored_k, stored_v  # the frames are ours to fill (see `step`)
+            layer_k, layer_v = stored_k, stored_v  # the frames are ours to fill (see `begin`)
             layer_k[self.computed], layer_v[self.computed] = k, v
+        self._pending = AttentionInput(q, layer_k, layer_v, pos)
+        return self._pending
+
+    def attend(self, layer: int, inp: AttentionInput) -> torch.Tensor:
+        """Causal attention of ``inp``'s queries over its layer KV: [n, H, D] model dtype."""
         if self.attention is not None:
-            attn = self.attention(layer, q, layer_k, layer_v, pos)
-        else:
-            attn = m.attend(q, layer_k, layer_v, causal_mask(pos, self.positions))
-        self.hidden = m.finish_layer(layer, self.hidden, attn)
-        self.keys.append(layer_k)
-        self.values.append(layer_v)
+            return self.attention(layer, inp.q, inp.layer_k, inp.layer_v, inp.positions)
+        mask = causal_mask(inp.positions, self.positions)
+        return self.model.attend(inp.q, inp.layer_k, inp.layer_v, mask)
+
+    @torch.no_grad()
+    def end(self, layer: int, attn: torch.Tensor) -> None:
+        """Second half of a layer: o-proj + MLP of the computed tokens on ``attn`` [n, H, D]."""
+        inp = self._pending
+        if inp is None or layer != len(self.keys):
+            raise RuntimeError(f"end({layer}) without begin({layer})")
+        if attn.shape != inp.q.shape:
+            raise ValueError(f"layer {layer}: attention output {attn.shape}, want {inp.q.shape}")
+        self.hidden = self.model.finish_layer(layer, self.hidden, attn)
+        self.keys.append(inp.layer_k)
+        self.values.append(inp.layer_v)
+        self._pending = None
 
     @torch.no_grad()
     def finish(self) -> BlendResult:

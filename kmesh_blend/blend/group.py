@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kmesh_blend.blend.executor import AttentionHook, BlendResult, RequestBlend
+from kmesh_blend.blend.executor import AttentionHook, BlendResult, GroupAttention, RequestBlend
 from kmesh_blend.blend.plan import BlendOptions, BlendRequest, SegmentUse
 from kmesh_blend.blend.source import SegmentSource
 from kmesh_blend.models.layerwise import LayerwiseModel
@@ -44,11 +44,18 @@ def blend_group(
     source: SegmentSource,
     options: BlendOptions,
     attention: Sequence[AttentionHook | None] | None = None,
+    group_attention: GroupAttention | None = None,
 ) -> list[BlendResult]:
     """Prefill ``requests`` reusing the stored segments of ``source``; results in input order.
 
-    ``attention``: optional per-request attention hooks (see `RequestBlend`)."""
+    ``attention``: optional per-request attention hooks (see `RequestBlend`).
+    ``group_attention``: optional attention of a whole wave of members in one call (layer_sync
+    passes every sibling of the layer at once, sequential one at a time); exclusive with
+    ``attention``."""
+    if attention is not None and group_attention is not None:
+        raise ValueError("pass either attention (per request) or group_attention, not both")
     group = _Group(model, list(requests), source, options, attention)
+    group.group_attention = group_attention
     num_layers = model.shape.num_layers
     if options.schedule == "sequential":
         for i in range(len(requests)):
@@ -74,6 +81,7 @@ class _Group:
         if options.selection not in ("per_request", "collective"):
             raise ValueError(f"selection={options.selection!r}; valid: 'per_request', 'collective'")
         self.model, self.requests, self.source, self.options = model, requests, source, options
+        self.group_attention: GroupAttention | None = None
         self._shift_memo: dict[tuple[object, ...], torch.Tensor] = {}
         collective = options.selection == "collective"
         # segment id → (request index, use) of its first user: the leader in collective mode.
@@ -104,9 +112,14 @@ class _Group:
             if not wave:
                 raise RuntimeError(f"layer {layer}: circular leader dependency in {pending}")
             frames = self._stored_frames(layer, [i for i in wave if self._needs_stored(i, layer)])
-            for i in wave:
-                k, v = frames.get(i, (None, None))
-                self.states[i].step(layer, k, v)
+            inputs = [self.states[i].begin(layer, *frames.get(i, (None, None))) for i in wave]
+            if self.group_attention is not None:
+                outputs = self.group_attention(layer, wave, inputs)
+            else:
+                pairs = zip(wave, inputs, strict=True)
+                outputs = [self.states[i].attend(layer, x) for i, x in pairs]
+            for i, out in zip(wave, outputs, strict=True):
+                self.states[i].end(layer, out)
             pending = [i for i in pending if i not in wave]
 
     def _leaders_done(self, i: int, layer: int) -> bool:
