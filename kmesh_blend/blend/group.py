@@ -16,6 +16,7 @@ Selection (``BlendOptions.selection``):
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -83,6 +84,7 @@ class _Group:
         self.model, self.requests, self.source, self.options = model, requests, source, options
         self.group_attention: GroupAttention | None = None
         self._shift_memo: dict[tuple[object, ...], torch.Tensor] = {}
+        self.outside = [_outside_spans(req) for req in requests]
         collective = options.selection == "collective"
         # segment id → (request index, use) of its first user: the leader in collective mode.
         self.leader: dict[str, tuple[int, SegmentUse]] = {}
@@ -148,14 +150,28 @@ class _Group:
         frames: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         shape = self.model.shape
         for i in members:
+            # Every row is written below or computed by the request; only rows outside any
+            # segment (computed anyway) are zeroed, so a check layer never scores stale memory.
             t = self.requests[i].token_ids.numel()
-            blank = torch.zeros(t, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype)
-            frames[i] = (blank, blank.clone())
+            k_frame = torch.empty(t, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype)
+            v_frame = torch.empty_like(k_frame)
+            for span in self.outside[i]:
+                k_frame[span], v_frame[span] = 0.0, 0.0
+            frames[i] = (k_frame, v_frame)
         for (segment_id, from_leader), users in wanted.items():
             k, v, positions = self._read(segment_id, layer, from_leader)
+            shifts = self._shifts(segment_id, from_leader, users, positions)
+            if len(users) == 1:  # one user: rotate straight into its frame
+                i, use = users[0]
+                span = slice(use.start, use.end)
+                reposition_keys(
+                    k, shifts, self.model.rope.inv_freq, self.options.backend, frames[i][0][span]
+                )
+                frames[i][1][span] = v
+                continue
             moved = reposition_keys(
                 k.repeat(len(users), 1, 1),
-                self._shifts(segment_id, from_leader, users, positions),
+                shifts,
                 self.model.rope.inv_freq,
                 self.options.backend,
             )
@@ -201,3 +217,11 @@ class _Group:
                 f"segment {segment_id!r}: {k.shape[0]} rows, {positions.numel()} positions"
             )
         return k, v, positions
+
+
+def _outside_spans(request: BlendRequest) -> list[slice]:
+    """Spans of ``request``'s tokens that no segment covers (private and gap tokens)."""
+    covered = request.reused_mask
+    edges = torch.nonzero(covered[1:] != covered[:-1]).squeeze(1) + 1
+    bounds = [0, *edges.tolist(), covered.numel()]
+    return [slice(a, b) for a, b in itertools.pairwise(bounds) if not bool(covered[a])]

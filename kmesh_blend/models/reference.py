@@ -63,6 +63,12 @@ class ReferenceModel:
         self.w = {name: t.to(dtype) for name, t in weights.items()}
         if "lm_head.weight" not in self.w:  # tied embeddings
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
+        for layer in range(self.shape.num_layers):
+            p = f"model.layers.{layer}."
+            _fuse(self.w, p + "self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+            _fuse(self.w, p + "mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
+        q_size = self.shape.num_heads * head_dim
+        self._qkv_split = [q_size, *[self.shape.num_kv_heads * head_dim] * 2]
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ReferenceModel:
@@ -87,9 +93,8 @@ class ReferenceModel:
         """hidden [T, E] → q [T, H, D], k / v [T, Hkv, D], before RoPE."""
         p = f"model.layers.{layer}."
         x = self._rms_norm(hidden, self.w[p + "input_layernorm.weight"])
-        q = self._linear(x, p + "self_attn.q_proj")
-        k = self._linear(x, p + "self_attn.k_proj")
-        v = self._linear(x, p + "self_attn.v_proj")
+        # One GEMM for q, k and v (and one for gate and up below): fewer, larger calls.
+        q, k, v = self._linear(x, p + "self_attn.qkv_proj").split(self._qkv_split, dim=-1)
         d = self.shape.head_dim
         q = rearrange(q, "t (h d) -> t h d", d=d)
         k = rearrange(k, "t (h d) -> t h d", d=d)
@@ -126,8 +131,7 @@ class ReferenceModel:
         p = f"model.layers.{layer}."
         hidden = hidden + self._linear(rearrange(attn, "t h d -> t (h d)"), p + "self_attn.o_proj")
         x = self._rms_norm(hidden, self.w[p + "post_attention_layernorm.weight"])
-        gate = self._linear(x, p + "mlp.gate_proj")
-        up = self._linear(x, p + "mlp.up_proj")
+        gate, up = self._linear(x, p + "mlp.gate_up_proj").chunk(2, dim=-1)
         return hidden + self._linear(F.silu(gate) * up, p + "mlp.down_proj")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -144,3 +148,15 @@ class ReferenceModel:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * xf.to(x.dtype)
+
+
+def _fuse(w: dict[str, torch.Tensor], prefix: str, parts: tuple[str, ...], fused: str) -> None:
+    """Replace the linears ``prefix + part`` by one whose output rows are theirs, in order."""
+    weights = [w.pop(prefix + n + ".weight") for n in parts]
+    biases = [w.pop(prefix + n + ".bias", None) for n in parts]
+    w[prefix + fused + ".weight"] = torch.cat(weights)
+    if any(b is not None for b in biases):  # a missing bias is a zero one
+        pairs = zip(biases, weights, strict=True)
+        w[prefix + fused + ".bias"] = torch.cat(
+            [b if b is not None else wt.new_zeros(wt.shape[0]) for b, wt in pairs]
+        )

@@ -94,19 +94,15 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``positions``: [T] int → (cos, sin), each [T, head_dim] in ``dtype``."""
-        memo = self._memo
-        if memo is not None and memo[0] is positions and memo[1] == dtype:
-            return memo[2], memo[3]
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((angles, angles), dim=-1)
-        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        self._memo = (positions, dtype, cos, sin)
-        return cos, sin
+        cos, signed_sin = self._tables(positions, dtype)
+        sin = signed_sin[:, signed_sin.shape[-1] // 2 :]
+        return cos, torch.cat((sin, sin), dim=-1)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x``: [T, heads, head_dim] (any float dtype) to ``positions``: [T] int.
 
-        Returns a new tensor of the same shape and dtype.
+        Returns a new tensor of the same shape and dtype: x·cos + rotate_half(x)·sin, computed
+        as x·cos + swap(x)·(−sin, sin) — the same bits (negation is exact), one pass fewer.
         """
         if x.dim() != 3 or x.shape[-1] != self.config.head_dim:
             raise ValueError(
@@ -114,8 +110,25 @@ class RotaryEmbedding:
             )
         if positions.shape != (x.shape[0],):
             raise ValueError(f"positions must be [{x.shape[0]}], got {tuple(positions.shape)}")
-        cos, sin = self.cos_sin(positions, x.dtype)
-        return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+        cos, signed_sin = self._tables(positions, x.dtype)
+        half = x.shape[-1] // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        out = x * cos[:, None, :]
+        out += swapped * signed_sin[:, None, :]
+        return out
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """(cos, (−sin, sin)) [T, head_dim] in ``dtype``; memoized for the last ``positions``
+        tensor (the blend passes the same one layer after layer)."""
+        memo = self._memo
+        if memo is not None and memo[0] is positions and memo[1] == dtype:
+            return memo[2], memo[3]
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        cos = torch.cat((angles, angles), dim=-1).cos().to(dtype)
+        sin = angles.sin().to(dtype)
+        signed_sin = torch.cat((-sin, sin), dim=-1)
+        self._memo = (positions, dtype, cos, signed_sin)
+        return cos, signed_sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -22,22 +22,29 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def reposition_keys(
-    k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, backend: Backend = "auto"
+    k: torch.Tensor,
+    delta: torch.Tensor,
+    inv_freq: torch.Tensor,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate keys by per-row position shifts.
 
     ``k``: [n, Hkv, D] float, rotated at old positions; ``delta``: [n] int64 (new − old);
-    ``inv_freq``: [D/2] fp32. Returns [n, Hkv, D] in ``k.dtype``. Tolerance between backends:
-    fp32 ≤ 1e-5 relative to |k| (sin/cos implementations differ by ulps).
+    ``inv_freq``: [D/2] fp32. Returns [n, Hkv, D] in ``k.dtype`` — or writes into ``out``
+    ([n, Hkv, D] float on k's device, e.g. a slice of a larger frame) and returns it. Tolerance
+    between backends: fp32 ≤ 1e-5 relative to |k| (sin/cos implementations differ by ulps).
     """
     _check_float("k", k, 3)
+    if out is not None and (out.shape != k.shape or out.device != k.device):
+        raise ValueError(f"out must be {tuple(k.shape)} on {k.device}, got {tuple(out.shape)}")
     if k.shape[-1] % 2 or inv_freq.shape != (k.shape[-1] // 2,):
         raise ValueError(f"inv_freq must be [{k.shape[-1] // 2}], got {tuple(inv_freq.shape)}")
     _check_index("delta", delta, k.shape[0], k.device)
     if use_triton(backend, k):
         from kmesh_blend.kernels.reposition import reposition_kernel
 
-        out = torch.empty_like(k)
+        out = torch.empty_like(k) if out is None else out
         if k.shape[0]:
             half = k.shape[-1] // 2
             reposition_kernel[(k.shape[0], k.shape[1])](
@@ -45,7 +52,7 @@ def reposition_keys(
                 HALF=half, BLOCK_HALF=next_pow2(half),
             )  # fmt: skip
         return out
-    return reference.reposition_reference(k, delta, inv_freq)
+    return reference.reposition_reference(k, delta, inv_freq, out)
 
 
 def token_deviation(

@@ -48,20 +48,46 @@ _tables_memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | No
 
 @torch.no_grad()
 def reposition_reference(
-    k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor
+    k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Move RoPE-rotated keys by ``delta`` positions (RoPE rotations compose: R(a+d) = R(d)R(a)).
 
     ``k``: [n, Hkv, D] (any float dtype), rotated at old positions; ``delta``: [n] int64
     (new − old); ``inv_freq``: [D/2] fp32 (scaled variants included). Returns [n, Hkv, D] in
-    ``k.dtype``. Channel i pairs with i + D/2 (the Llama/Qwen layout).
+    ``k.dtype``, or writes it into ``out`` ([n, Hkv, D], any float dtype) and returns ``out``.
+    Channel i pairs with i + D/2 (the Llama/Qwen layout): (x1, x2) → (x1·c − x2·s, x2·c + x1·s),
+    each product and sum rounded to fp32 on its own (computed as x·C + swap(x)·S with
+    C = (c, c), S = (−s, s): the same bits, in fewer passes).
     """
-    cos, sin = rope_tables(delta, inv_freq)
+    c, s = _signed_tables(delta, inv_freq)
+    kf = k.float()
     half = k.shape[-1] // 2
-    x1, x2 = k[..., :half].float(), k[..., half:].float()
-    c, s = cos[:, None, :], sin[:, None, :]
-    out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    return out.to(k.dtype)
+    swapped = torch.cat((kf[..., half:], kf[..., :half]), dim=-1)
+    moved = kf * c
+    moved += swapped * s
+    if out is None:
+        return moved.to(k.dtype)
+    out.copy_(moved)
+    return out
+
+
+def _signed_tables(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(C, S) for `reposition_reference`: [n, 1, D] fp32, or [1, 1, D] when every shift is equal
+    (a broadcast of the same values); memoized like `rope_tables`."""
+    global _signed_memo
+    memo = _signed_memo
+    if memo is not None and memo[0] is delta and memo[1] is inv_freq:
+        return memo[2], memo[3]
+    cos, sin = rope_tables(delta, inv_freq)
+    if delta.numel() and bool((delta == delta[0]).all()):
+        cos, sin = cos[:1], sin[:1]
+    c = torch.cat((cos, cos), dim=-1)[:, None, :]
+    s = torch.cat((-sin, sin), dim=-1)[:, None, :]
+    _signed_memo = (delta, inv_freq, c, s)
+    return c, s
+
+
+_signed_memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,6 +26,16 @@ __all__ = ["PagedAttention"]
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 Hook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _Runs(NamedTuple):
+    """Kernel inputs for one set of query positions: [R+1] int32 query starts, [R] int32
+    sequence ends, [R, blocks] int32 block table, and the kernel's schedule."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    metadata: Any
 
 
 class PagedAttention:
@@ -63,25 +73,31 @@ class PagedAttention:
         slots = slot_mapping(block_ids, self.block_size, 0, num_tokens)
         table = torch.tensor(block_ids, dtype=torch.int32)
 
+        runs: list[tuple[torch.Tensor, _Runs]] = []  # for the last q_positions tensor
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    q_positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
             cache = caches[layer]
             attn = self.layers[layer]
             # The backend's own vectorized write (the layout read-back was verified against it).
             attn.impl.do_kv_cache_update(attn, k, v, cache, slots)
-            return self._attend(layer, cache, table, q, q_positions)
+            # The blend passes the same positions tensor layer after layer until its computed
+            # set changes: the runs and the kernel's schedule are built once for it.
+            if not runs or runs[0][0] is not q_positions:
+                runs[:] = [(q_positions, self._runs(layer, table, q, q_positions))]
+            return self._attend(layer, cache, q, runs[0][1])
 
         return attend
 
     # --- helpers --------------------------------------------------------------------------------
 
-    def _attend(self, layer: int, cache: torch.Tensor, table: torch.Tensor, q: torch.Tensor,
-                q_positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def _runs(self, layer: int, table: torch.Tensor, q: torch.Tensor,
+              q_positions: torch.Tensor) -> _Runs:  # fmt: skip
+        """Runs of consecutive positions become causal "requests" ending at the run's last
+        token; with the kernel's schedule for them (it depends on shapes, not on values)."""
         from vllm import _custom_ops as ops
 
         attn = self.layers[layer]
-        impl = attn.impl
-        # Runs of consecutive positions become causal "requests" ending at the run's last token.
         breaks = torch.nonzero(q_positions[1:] != q_positions[:-1] + 1).squeeze(1) + 1
         starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
         ends = torch.cat([breaks, torch.tensor([q_positions.numel()])])
@@ -94,17 +110,26 @@ class PagedAttention:
             head_dim=self.head_dim, seq_lens=seq_lens, dtype=q.dtype,
             query_start_loc=query_start_loc, causal=True, sliding_window_size=-1,
             isa=attn.isa, enable_kv_split=False, dynamic_causal=None,
-            kv_cache_dtype=impl.kv_cache_dtype,
+            kv_cache_dtype=attn.impl.kv_cache_dtype,
         )  # fmt: skip
+        return _Runs(query_start_loc, seq_lens, block_table, metadata)
+
+    def _attend(
+        self, layer: int, cache: torch.Tensor, q: torch.Tensor, runs: _Runs
+    ) -> torch.Tensor:
+        from vllm import _custom_ops as ops
+
+        attn = self.layers[layer]
+        impl = attn.impl
         base = cache.view(cache.shape[0], self.num_kv_heads, 2 * self.block_size, self.head_dim)
         key_cache, value_cache = base.chunk(2, dim=2)
         out = torch.empty_like(q)
         ops.cpu_attention_with_kv_cache(
             query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
-            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=impl.scale, causal=True,
-            alibi_slopes=impl.alibi_slopes, sliding_window=impl.sliding_window,
-            block_table=block_table, softcap=impl.logits_soft_cap,
-            scheduler_metadata=metadata, s_aux=None, dynamic_causal=None,
+            query_start_loc=runs.query_start_loc, seq_lens=runs.seq_lens, scale=impl.scale,
+            causal=True, alibi_slopes=impl.alibi_slopes, sliding_window=impl.sliding_window,
+            block_table=runs.block_table, softcap=impl.logits_soft_cap,
+            scheduler_metadata=runs.metadata, s_aux=None, dynamic_causal=None,
             k_scale=attn._k_scale_float, v_scale=attn._v_scale_float,
             kv_cache_dtype=impl.kv_cache_dtype,
         )  # fmt: skip

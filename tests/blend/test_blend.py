@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from kmesh_blend.blend import BlendOptions, BlendRequest, blend_group, blend_one, keep_count
+from kmesh_blend.blend import (
+    BlendOptions,
+    BlendRequest,
+    SegmentUse,
+    blend_group,
+    blend_one,
+    keep_count,
+)
 from kmesh_blend.models import ReferenceModel, prefill
 from kmesh_blend.testing import TINY_LLAMA, TINY_QWEN3, build_checkpoint
 from tests.blend.prompts import family
@@ -93,3 +100,12 @@ def test_bad_inputs_raise_clear_errors(llama: ReferenceModel) -> None:
     with pytest.raises(KeyError):
         source.segments.pop("A")
         blend_one(llama, requests[0], source, BlendOptions())
+
+
+def test_outside_spans_are_the_uncovered_tokens() -> None:
+    from kmesh_blend.blend.group import _outside_spans
+
+    uses = (SegmentUse(3, 7, "a"), SegmentUse(7, 9, "b"), SegmentUse(12, 15, "a"))
+    req = BlendRequest(torch.arange(16), uses)
+    assert _outside_spans(req) == [slice(0, 3), slice(9, 12), slice(15, 16)]
+    assert _outside_spans(BlendRequest(torch.arange(4), (SegmentUse(0, 4, "a"),))) == []
