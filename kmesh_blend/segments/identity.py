@@ -123,6 +123,8 @@ def segment_ids(
 def _as_int_list(token_ids: object) -> list[int]:
     tolist = getattr(token_ids, "tolist", None)
     raw = tolist() if callable(tolist) else list(token_ids)  # type: ignore[call-overload]
+    if set(map(type, raw)) <= {int}:  # the common case, checked at C speed (bool is not int)
+        return raw
     out = []
     for t in raw:
         if isinstance(t, bool) or not isinstance(t, int):
