@@ -21,6 +21,7 @@ bitexact: install
 	$(PY) -m pytest tests/bitexact $(PYTEST_ARGS)
 
 bench: install
+	@bash scripts/services.sh
 	$(PY) bench/run_all.py
 
 lint: install

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes.util
 import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -86,3 +89,26 @@ def plot_bars(name: str, labels: list[str], seconds: list[float], title: str) ->
 def emit(result: dict[str, Any]) -> None:
     """Print the contract's last line: one JSON object."""
     print(json.dumps(result), flush=True)
+
+
+def use_allocator(name: str) -> str:
+    """Run this script under the memory allocator ``name``; returns the one in effect.
+
+    ``"tcmalloc"`` is what vLLM's CPU installation guide asks for (its CPU worker warns at start-up
+    when libtcmalloc is not in LD_PRELOAD): glibc's malloc maps and unmaps every large buffer, and
+    the page faults cost more than many of the ops on a 2-core machine. Both engines of a
+    benchmark run in the same process, so they get the same allocator. The script re-executes
+    itself once with LD_PRELOAD set; without the library (``scripts/services.sh`` installs it)
+    it says so and stays on ``"system"``.
+    """
+    if name == "system":
+        return "system"
+    if "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+        return "tcmalloc"
+    lib = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    if lib is None:
+        print("allocator: libtcmalloc not found (scripts/services.sh installs it); system malloc")
+        return "system"
+    preload = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), lib]))
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "LD_PRELOAD": preload})
+    raise AssertionError("unreachable")

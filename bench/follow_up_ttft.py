@@ -16,7 +16,10 @@ config.unannotated_overhead = median KMesh-engine TTFT of unannotated prompts / 
 config.kmesh_vs_unannotated_same_engine = the same ratio against unannotated prompts measured
 interleaved on the KMesh engine (the stock path there): a cross-check free of engine order.
 
-Run: python bench/follow_up_ttft.py [--quick]
+Both engines run under tcmalloc by default, the allocator vLLM's CPU guide requires for
+performance (``--allocator system`` for glibc's malloc; config.allocator says which ran).
+
+Run: python bench/follow_up_ttft.py [--quick] [--allocator tcmalloc|system]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, plot_bars
+from _common import emit, plot_bars, use_allocator
 
 from kmesh_blend.testing import BENCH_LLAMA, build_checkpoint
 from kmesh_blend.testing.engine import make_llm
@@ -48,7 +51,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--allocator",
+        default="tcmalloc",
+        choices=["tcmalloc", "system"],
+        help="tcmalloc (vLLM's documented CPU setup, default) or the system malloc",
+    )
     args = parser.parse_args()
+    allocator = use_allocator(args.allocator)
     doc_len = 512 if args.quick else 2048
     rounds = 2 if args.quick else 6
     from vllm import SamplingParams
@@ -148,6 +158,7 @@ def main() -> None:
             "config": {
                 "model": BENCH_LLAMA.name,
                 "dtype": args.dtype,
+                "allocator": allocator,
                 "document": doc_len,
                 "tokens": doc_len + 96,
                 "recompute_ratio": RATIO,
