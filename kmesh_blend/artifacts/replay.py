@@ -23,99 +23,22 @@ import heapq
 import math
 import zlib
 from collections import Counter, deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
+from kmesh_blend.artifacts.costs import DEFAULT_COSTS, CostModel
 from kmesh_blend.artifacts.errors import ArtifactInputError, BudgetError
 from kmesh_blend.artifacts.objects import ChildView, digest, thaw
-from kmesh_blend.artifacts.store import ArtifactStore, Fetched, Loader
-from kmesh_blend.artifacts.trace import ArtifactSpec, Trace
+from kmesh_blend.artifacts.report import ReplayResult
+from kmesh_blend.artifacts.store import ArtifactStore, Fetched
+from kmesh_blend.artifacts.trace import Trace, synthetic_loader
 
-__all__ = ["DEFAULT_COSTS", "POLICIES", "CostModel", "Policy", "ReplayResult", "replay"]
+__all__ = ["POLICIES", "Policy", "ReplayResult", "replay"]
 
 Policy = Literal["lru", "family"]
 POLICIES: tuple[str, ...] = ("lru", "family")
 _ANNOUNCE, _ARRIVE, _STEP, _FINISH = 0, 1, 2, 3
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Virtual seconds of each way of getting an artifact (a RAM hit costs 0)."""
-
-    origin_latency_s: Mapping[str, float]
-    """Per kind: fixed cost of one loader call (model call, search, HTTP round trip)."""
-    origin_s_per_byte: Mapping[str, float]
-    """Per kind: cost per byte of the result (e.g. embedding time per output byte)."""
-    disk_latency_s: float = 2e-4
-    disk_s_per_byte: float = 1.0 / 2e9
-
-    def origin_s(self, kind: str, nbytes: int) -> float:
-        return self.origin_latency_s.get(kind, 0.0) + nbytes * self.origin_s_per_byte.get(kind, 0.0)
-
-    def disk_s(self, nbytes: int) -> float:
-        return self.disk_latency_s + nbytes * self.disk_s_per_byte
-
-
-DEFAULT_COSTS = CostModel(
-    # Rough CPU figures (the benchmark replaces them with measured ones): MiniLM ~3 ms per
-    # document = per 1536-byte row; a faiss flat search ~2 ms; a remote tool ~50 ms.
-    origin_latency_s={"embedding": 0.01, "retrieval": 0.002, "tool": 0.05, "blob": 0.01},
-    origin_s_per_byte={"embedding": 3e-3 / 1536, "retrieval": 0.0, "tool": 1e-9, "blob": 1e-9},
-)
-
-
-@dataclass(frozen=True)
-class ReplayResult:
-    """What one policy did on one trace (accesses are the children's gets, in trace order)."""
-
-    policy: str
-    mix: str
-    num_requests: int
-    completed_requests: int
-    """Requests finished by ``horizon_s`` = last arrival + ``work_s``."""
-    completed_work_s: float
-    horizon_s: float
-    makespan_s: float
-    wait_mean_s: float
-    """Arrival to start of agent work: queueing for a slot plus waiting for artifacts."""
-    wait_p95_s: float
-    sources: Mapping[str, int]
-    """Children's gets by how they were served: ram, joined, disk, loaded."""
-    shared_accesses: int
-    shared_ram: int
-    """Gets of family ancestors served from host RAM (ram or joined)."""
-    catalog_accesses: int
-    catalog_ram: int
-    storage_reads: int
-    """Disk-tier reads, all of them (children, preparation, copies)."""
-    origin_loads: int
-    """Loader calls, all of them."""
-    ram_mean_bytes: float
-    """Host RAM retained, time-averaged over the makespan."""
-    ram_peak_bytes: int
-    family_ws_mean_bytes: float
-    """Ancestors of open families resident in host RAM plus children's copies, time-averaged."""
-    family_ws_peak_bytes: int
-    ram_budget: int
-    disk_budget: int
-    copy_overflows: int
-    """Children's copies that did not fit in host RAM at all (made outside the budget)."""
-    access_sources: tuple[tuple[str, ...], ...] = field(repr=False)
-    """Per request, how each of its gets was served (pairs the two policies' runs)."""
-    outputs: tuple[int, ...] = field(repr=False)
-    """Per request, a CRC of every payload it read and of its copy after its change."""
-
-    @property
-    def shared_hit_rate(self) -> float:
-        return self.shared_ram / self.shared_accesses if self.shared_accesses else math.nan
-
-    @property
-    def ram_hit_rate(self) -> float:
-        total = sum(self.sources.values())
-        return (self.sources["ram"] + self.sources["joined"]) / total if total else math.nan
 
 
 def replay(
@@ -171,7 +94,7 @@ class _Replay:
         ancestors_scoped = self.family_aware
         for spec in self.trace.artifacts.values():
             if spec.family is None or not ancestors_scoped:
-                self.store.declare(spec.key, _synthetic(spec), kind=spec.kind)
+                self.store.declare(spec.key, synthetic_loader(spec), kind=spec.kind)
         if self.family_aware:
             for i, fam in enumerate(self.trace.families):
                 self._push(fam.announce_s, _ANNOUNCE, i)
@@ -204,7 +127,7 @@ class _Replay:
         self.open.add(fam.name)
         for key in fam.ancestors:
             spec = self.trace.artifacts[key]
-            self.store.declare(key, _synthetic(spec), kind=spec.kind, family=fam.name)
+            self.store.declare(key, synthetic_loader(spec), kind=spec.kind, family=fam.name)
         if fam.ancestors and fam.announce_s < fam.first_arrival_s:
             prepared = self.store.prepare(fam.name, fam.ancestors)
             for key, got in zip(fam.ancestors, prepared.fetched, strict=True):
@@ -356,16 +279,6 @@ class _Replay:
             access_sources=tuple(tuple(s) for s in self.sources),
             outputs=tuple(self.crc),
         )
-
-
-def _synthetic(spec: ArtifactSpec) -> Loader:
-    """A loader of ``spec.nbytes`` deterministic bytes (seeded by the key)."""
-
-    def load() -> np.ndarray:
-        rng = np.random.default_rng(zlib.crc32(spec.key.encode()))
-        return rng.integers(0, 256, spec.nbytes, dtype=np.uint8)
-
-    return load
 
 
 def _change(copy: object, rid: int) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +35,11 @@ from kmesh_blend.artifacts.disk import DiskTier
 from kmesh_blend.artifacts.errors import (
     ArtifactInputError,
     ArtifactLoadError,
-    BudgetError,
-    DoubleReleaseError,
     UnknownArtifactError,
-    UnknownFamilyError,
 )
+from kmesh_blend.artifacts.families import FamilyLifecycle, Released, _Copy
 from kmesh_blend.artifacts.objects import KINDS, ArtifactKind, ChildView, SharedArtifact
+from kmesh_blend.artifacts.pins import PinLedger
 from kmesh_blend.segments.identity import SegmentId
 from kmesh_blend.segments.index import SegmentIndex, SegmentState
 from kmesh_blend.segments.metrics import SegmentMetrics
@@ -68,16 +67,6 @@ class Fetched(NamedTuple):
     """Loader calls (origin loads) this call performed itself (0 or 1)."""
 
 
-class Released(NamedTuple):
-    family: str
-    num_dropped: int
-    """Artifacts deleted from both tiers because only this family used them."""
-    num_views: int
-    """Child views the close had to close."""
-    freed_ram_bytes: int
-    freed_disk_bytes: int
-
-
 class Prepared(NamedTuple):
     report: PrepareReport
     fetched: tuple[Fetched | None, ...]
@@ -92,13 +81,7 @@ class _Decl:
     """The family the artifact is released with (None: lives until evicted)."""
 
 
-class _Copy(NamedTuple):
-    """A child's private copy, as held in the host-RAM pool (accounting only)."""
-
-    view: ChildView
-
-
-class ArtifactStore:
+class ArtifactStore(FamilyLifecycle):
     """Host-RAM + disk artifact store with a byte budget per tier. Thread-safe."""
 
     def __init__(
@@ -116,16 +99,13 @@ class ArtifactStore:
             raise ArtifactInputError(f"ram_bytes must be an int >= 0, got {ram_bytes!r}")
         if not 0.0 <= pin_share <= 1.0:
             raise ArtifactInputError(f"pin_share must be in [0, 1], got {pin_share!r}")
-        self.pin_limit = int(ram_bytes * pin_share)
-        """Most bytes family pins may hold in host RAM."""
-        self._pins: dict[str, tuple[set[str], int]] = {}  # key -> (families, nbytes)
-        self._pinned_bytes = 0
         self.index = SegmentIndex(keep_rounds)
         self.metrics = metrics if metrics is not None else SegmentMetrics()
         self.ram: RetentionPool[str, SharedArtifact | _Copy] = RetentionPool(
             ram_bytes, on_evict=self._on_evict
         )
         self.disk = DiskTier(disk_bytes, disk_dir)
+        self.pins: PinLedger[str] = PinLedger(self.ram, int(ram_bytes * pin_share))
         self._flight: SingleFlight[str, tuple[SharedArtifact, Source]] = SingleFlight(
             timeout_s=timeout_s, max_attempts=1
         )
@@ -169,54 +149,6 @@ class ArtifactStore:
     def is_declared(self, key: str) -> bool:
         return key in self._decls
 
-    # -- families -----------------------------------------------------------------------------
-
-    def open_family(self, family: str) -> None:
-        """Start a family (a name can be used once: a closed family cannot be reopened)."""
-        if not isinstance(family, str) or not family:
-            raise ArtifactInputError(f"family must be a non-empty str, got {family!r}")
-        with self._lock:
-            if family in self._families:
-                state = "open" if self._families[family] else "released"
-                raise ArtifactInputError(f"family {family!r} is already {state}")
-            self._families[family] = True
-            self._views[family] = set()
-            self.index.open_family(family)
-
-    def is_open(self, family: str) -> bool:
-        return self._families.get(family, False)
-
-    def close_family(self, family: str) -> Released:
-        """The family ended: close its children's views (their copies' bytes are freed), drop
-        its pins, and delete from both tiers what was declared for it and no open family uses."""
-        with self._lock:
-            self._check_open(family)
-            self._families[family] = False
-            views = list(self._views.pop(family, ()))
-            ram0, disk0 = self.ram.retained_bytes, self.disk.used_bytes
-        for view in views:
-            if not view.closed:
-                view.close()
-        self.ram.release_owner(family)
-        self._unpin_family(family)
-        retired = [info.segment_id for info in self.index.close_family(family)]
-        dropped = self._drop(retired) + self._drop(self._released_keys())
-        self._sync_gauge()
-        return Released(
-            family,
-            dropped,
-            len(views),
-            max(0, ram0 - self.ram.retained_bytes),
-            max(0, disk0 - self.disk.used_bytes),
-        )
-
-    def advance_round(self, to: int | None = None) -> int:
-        """Next round: delete artifacts declared ``keep_rounds`` rounds ago (unless held);
-        returns how many were deleted."""
-        dropped = self._drop([info.segment_id for info in self.index.advance_round(to)])
-        self._sync_gauge()
-        return dropped
-
     # -- reading ------------------------------------------------------------------------------
 
     def get(self, key: str, *, family: str | None = None) -> Fetched:
@@ -247,27 +179,6 @@ class ArtifactStore:
             return Fetched(artifact, "joined", 0, 0)
         return Fetched(artifact, source, int(source == "disk"), int(source == "loaded"))
 
-    def view(self, key: str, *, family: str, child: str) -> ChildView:
-        """A copy-on-write view of ``key`` for ``child`` of ``family`` (pins the artifact)."""
-        if not isinstance(child, str) or not child:
-            raise ArtifactInputError(f"child must be a non-empty str, got {child!r}")
-        if not isinstance(family, str):
-            raise ArtifactInputError(f"family must be a str, got {family!r}")
-        fetched = self.get(key, family=family)
-        with self._lock:
-            self._check_open(family)
-            self.index.acquire(SegmentId(key))
-            view = ChildView(
-                fetched.artifact,
-                family,
-                child,
-                charge=self._charge,
-                discharge=self._discharge,
-                source=fetched.source,
-            )
-            self._views[family].add(view)
-        return view
-
     def prepare(self, family: str, keys: Iterable[str]) -> Prepared:
         """Application notice: load and pin ``keys`` for ``family`` now (through `Notice`)."""
         from kmesh_blend.artifacts.prepare import prepare
@@ -289,7 +200,12 @@ class ArtifactStore:
     @property
     def pinned_bytes(self) -> int:
         """Host-RAM bytes of artifacts pinned by open families (at most ``pin_limit``)."""
-        return self._pinned_bytes
+        return self.pins.pinned_bytes
+
+    @property
+    def pin_limit(self) -> int:
+        """Most bytes family pins may hold in host RAM (``pin_share`` of the budget)."""
+        return self.pins.limit_bytes
 
     @property
     def disk_used_bytes(self) -> int:
@@ -320,46 +236,12 @@ class ArtifactStore:
             )
         return decl
 
-    def _check_open(self, family: str) -> None:
-        state = self._families.get(family)
-        if state is None:
-            raise UnknownFamilyError(f"family {family!r} was never opened")
-        if not state:
-            raise DoubleReleaseError(f"family {family!r} was already released")
-
     def _pin(self, key: str, family: str | None, nbytes: int) -> None:
         """Pin ``key`` (if retained) for ``family`` while pins stay within ``pin_limit``."""
         if family is None:
             return
         self.index.pin(SegmentId(key), family)
-        with self._lock:
-            held = self._pins.get(key)
-            if held is not None:
-                if self.ram.pin(key, family):
-                    held[0].add(family)
-                return
-            if self._pinned_bytes + nbytes <= self.pin_limit and self.ram.pin(key, family):
-                self._pins[key] = ({family}, nbytes)
-                self._pinned_bytes += nbytes
-
-    def _unpin_oldest(self) -> bool:
-        with self._lock:
-            if not self._pins:
-                return False
-            key = next(iter(self._pins))
-            families, size = self._pins.pop(key)
-            self._pinned_bytes -= size
-        for family in families:
-            self.ram.unpin(key, family)
-        return True
-
-    def _unpin_family(self, family: str) -> None:
-        with self._lock:
-            for key, (families, size) in list(self._pins.items()):
-                families.discard(family)
-                if not families:
-                    del self._pins[key]
-                    self._pinned_bytes -= size
+        self.pins.pin(key, family, nbytes)
 
     def _load(self, key: str, decl: _Decl, family: str | None) -> tuple[SharedArtifact, Source]:
         self._set_state(key, SegmentState.LOADING)
@@ -385,57 +267,6 @@ class ArtifactStore:
         self._set_state(key, SegmentState.READY if retained else SegmentState.COLD)
         self._sync_gauge()
         return artifact, source
-
-    def _charge(self, view: ChildView, nbytes: int) -> None:
-        """Charge a child's copy to host RAM; family pins give way (oldest first) if needed:
-        a child's own state comes before what a family keeps for later."""
-        while not self.ram.put(view.copy_key, _Copy(view), nbytes, owner=view.family):
-            if not self._unpin_oldest():
-                break
-        if view.copy_key not in self.ram:
-            raise BudgetError(
-                f"child {view.child!r}'s copy of {view.key!r} needs {nbytes} bytes: host RAM "
-                f"budget {self.ram.budget_bytes} has {self.ram.budget_bytes - self.ram_used_bytes}"
-                " free and no unheld object to evict"
-            )
-        self._sync_gauge()
-
-    def _discharge(self, view: ChildView) -> None:
-        if view.is_copied:
-            self.ram.remove(view.copy_key)
-        with self._lock:
-            self._views.get(view.family, set()).discard(view)
-        retired = [info.segment_id for info in self.index.release(SegmentId(view.key))]
-        self._drop(retired + self._released_keys())
-        self._sync_gauge()
-
-    def _released_keys(self) -> list[str]:
-        """Keys declared for a closed family that no open family uses and nobody holds."""
-        with self._lock:
-            out = []
-            for key, decl in self._decls.items():
-                if decl.scope is None or self._families.get(decl.scope, False):
-                    continue
-                info = self.index.get(SegmentId(key))
-                if info is None or not any(self._families.get(f) for f in info.families):
-                    out.append(key)
-            return out
-
-    def _drop(self, keys: Sequence[str]) -> int:
-        dropped = 0
-        for key in keys:
-            sid = SegmentId(key)
-            if sid in self.index and self.index.evict(sid) is None:
-                continue  # in use by a child view, or pinned by an open family
-            with self._lock:
-                self._decls.pop(key, None)
-            self.ram.remove(key)
-            self.disk.remove(key)
-            with self._lock:
-                pin = self._pins.pop(key, None)
-                self._pinned_bytes -= pin[1] if pin is not None else 0
-            dropped += 1
-        return dropped
 
     def _on_evict(self, key: str, nbytes: int) -> None:
         self.metrics.eviction()

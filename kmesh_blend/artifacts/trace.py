@@ -19,14 +19,25 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from kmesh_blend.artifacts.errors import ArtifactInputError
 from kmesh_blend.artifacts.objects import ArtifactKind
 
-__all__ = ["ArtifactSpec", "FamilySpec", "MixConfig", "RequestSpec", "Trace", "generate"]
+if TYPE_CHECKING:
+    from kmesh_blend.artifacts.store import Loader
+
+__all__ = [
+    "ArtifactSpec",
+    "FamilySpec",
+    "MixConfig",
+    "RequestSpec",
+    "Trace",
+    "generate",
+    "synthetic_loader",
+]
 
 _ANCESTOR_KINDS: tuple[ArtifactKind, ...] = ("embedding", "retrieval", "tool")
 _CATALOG_KINDS: tuple[ArtifactKind, ...] = ("tool", "retrieval", "embedding")
@@ -188,6 +199,16 @@ def generate(mix: MixConfig) -> Trace:
         for name, size, rounds, start, first, last, anc in families
     )
     return Trace(mix, artifacts, specs, requests)
+
+
+def synthetic_loader(spec: ArtifactSpec) -> Loader:
+    """A loader of ``spec.nbytes`` deterministic bytes (seeded by the key)."""
+
+    def load() -> np.ndarray:
+        rng = np.random.default_rng(zlib.crc32(spec.key.encode()))
+        return rng.integers(0, 256, spec.nbytes, dtype=np.uint8)
+
+    return load
 
 
 def _log_uniform(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
