@@ -58,18 +58,26 @@ class FamilyStats:
 
     @classmethod
     def from_trace(cls, trace: Trace, costs: CostModel = DEFAULT_COSTS) -> FamilyStats:
-        """Statistics of ``trace``'s schedule: a family is open from its announcement to its
-        last arrival plus the loads of its ancestors and one request's work."""
+        """Statistics of ``trace``'s schedule: a family is open from its announcement until its
+        last arrival or its slowest ancestor load (whichever is later) plus one request's work
+        (queueing and waiting for other artifacts are not modelled)."""
         window = trace.span_s + trace.mix.work_s
         al = a2l = a_sum = 0.0
         cold = gets = 0
         for fam in trace.families:
             sizes = [trace.artifacts[k].nbytes for k in fam.ancestors]
-            load = sum(
-                costs.origin_s(trace.artifacts[k].kind, trace.artifacts[k].nbytes)
-                for k in fam.ancestors
+            # loads run concurrently from the announcement; the last child cannot finish before
+            # both its arrival and the slowest load, plus its work
+            load = max(
+                (
+                    costs.origin_s(trace.artifacts[k].kind, n)
+                    for k, n in zip(fam.ancestors, sizes, strict=True)
+                ),
+                default=0.0,
             )
-            life = fam.last_arrival_s - fam.announce_s + load + trace.mix.work_s
+            life = (
+                max(fam.last_arrival_s, fam.announce_s + load) - fam.announce_s + trace.mix.work_s
+            )
             a = float(sum(sizes))
             al += a * life
             a2l += a * a * life

@@ -13,6 +13,7 @@ out as a win, a loss, mixed or no difference.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -20,7 +21,15 @@ from kmesh_blend.artifacts.costs import DEFAULT_COSTS, CostModel
 from kmesh_blend.artifacts.replay import ReplayResult, replay
 from kmesh_blend.artifacts.trace import Trace
 
-__all__ = ["VERDICT_RULES", "Comparison", "compare", "format_table", "summary", "verdict"]
+__all__ = [
+    "VERDICT_RULES",
+    "Comparison",
+    "compare",
+    "format_table",
+    "slots_for_trace",
+    "summary",
+    "verdict",
+]
 
 _HIT = ("ram", "joined")
 VERDICT_RULES = (
@@ -70,6 +79,19 @@ def compare(
             gained += b in _HIT and a not in _HIT
             displaced += lost_here and trace.artifacts[key].family is None
     return Comparison(trace.mix.name, lru, fam, displaced, gained, lost)
+
+
+def slots_for_trace(
+    trace: Trace, costs: CostModel = DEFAULT_COSTS, utilization: float = 0.7
+) -> int:
+    """Agent slots for a fair, unsaturated comparison, chosen by neither policy: replay the
+    trace on unlimited slots with host RAM and disk large enough to keep everything (an oracle:
+    every artifact loaded once), and size the slots so that this ideal run's slot time would
+    keep ``utilization`` of them busy. Both policies then run with the same slots."""
+    total = sum(a.nbytes for a in trace.artifacts.values())
+    room = 2 * total + (64 << 20)
+    ideal = replay(trace, "lru", ram_bytes=room, disk_bytes=room, slots=1 << 30, costs=costs)
+    return max(1, math.ceil(ideal.busy_slot_s / ideal.makespan_s / utilization))
 
 
 def verdict(c: Comparison) -> str:

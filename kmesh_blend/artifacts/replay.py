@@ -276,6 +276,7 @@ class _Replay:
             ram_budget=self.store.ram.budget_bytes,
             disk_budget=self.store.disk.budget_bytes,
             copy_overflows=self.copy_overflows,
+            busy_slot_s=sum(f - s for f, s in zip(self.finish_s, self.start_s, strict=True)),
             access_sources=tuple(tuple(s) for s in self.sources),
             outputs=tuple(self.crc),
         )

@@ -44,6 +44,8 @@ class ReplayResult:
     ram_budget: int
     disk_budget: int
     copy_overflows: int
+    busy_slot_s: float
+    """Sum over requests of the time they held an agent slot (waiting included)."""
     """Children's copies that did not fit in host RAM at all (made outside the budget)."""
     access_sources: tuple[tuple[str, ...], ...] = field(repr=False)
     """Per request, how each of its gets was served (pairs the two policies' runs)."""
