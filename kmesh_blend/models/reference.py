@@ -13,6 +13,7 @@ backend.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,22 @@ from safetensors.torch import load_file
 from kmesh_blend.models.layerwise import QKV, ModelShape
 from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
 
-__all__ = ["ReferenceModel"]
+__all__ = ["LinearFactory", "ReferenceModel", "torch_linear"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+# (weight [N, K], bias [N] or None) → x [M, K] ↦ [M, N] in the model dtype. The vLLM worker passes
+# vLLM's own CPU GEMM (`kmesh_blend.vllm.linear`); everything else uses `torch_linear`.
+LinearFactory = Callable[
+    [torch.Tensor, "torch.Tensor | None"], Callable[[torch.Tensor], torch.Tensor]
+]
+
+
+def torch_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The default `LinearFactory`: ``F.linear``."""
+    return lambda x: F.linear(x, weight, bias)
 
 
 class ReferenceModel:
@@ -37,6 +51,7 @@ class ReferenceModel:
         config: dict[str, Any],
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
+        linear: LinearFactory = torch_linear,
     ) -> None:
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -69,10 +84,24 @@ class ReferenceModel:
             _fuse(self.w, p + "mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
         q_size = self.shape.num_heads * head_dim
         self._qkv_split = [q_size, *[self.shape.num_kv_heads * head_dim] * 2]
+        self._linears = {
+            f"model.layers.{layer}.{name}": linear(
+                self.w[f"model.layers.{layer}.{name}.weight"],
+                self.w.get(f"model.layers.{layer}.{name}.bias"),
+            )
+            for layer in range(self.shape.num_layers)
+            for name in _LINEARS
+        }
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ReferenceModel:
-        """Load a checkpoint directory written by ``save_pretrained`` (safetensors)."""
+    def load(
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        linear: LinearFactory = torch_linear,
+    ) -> ReferenceModel:
+        """Load a checkpoint directory written by ``save_pretrained`` (safetensors); ``linear``
+        builds the layers' GEMMs (prefill and blend use the same ones, so they stay exact)."""
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
         weights: dict[str, torch.Tensor] = {}
@@ -81,7 +110,7 @@ class ReferenceModel:
             raise FileNotFoundError(f"no *.safetensors file in {path}")
         for file in files:
             weights.update(load_file(str(file)))
-        return cls(config, weights, dtype)
+        return cls(config, weights, dtype, linear)
 
     # --- LayerwiseModel -------------------------------------------------------------------------
 
@@ -142,12 +171,15 @@ class ReferenceModel:
     # --- helpers --------------------------------------------------------------------------------
 
     def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        return F.linear(x, self.w[prefix + ".weight"], self.w.get(prefix + ".bias"))
+        return self._linears[prefix](x)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * xf.to(x.dtype)
+
+
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def _fuse(w: dict[str, torch.Tensor], prefix: str, parts: tuple[str, ...], fused: str) -> None:

@@ -22,6 +22,7 @@ from kmesh_blend.models import ReferenceModel
 from kmesh_blend.segments.cache import SegmentCache
 from kmesh_blend.segments.master import MasterLayout
 from kmesh_blend.segments.store import open_store
+from kmesh_blend.vllm.linear import pick_linear
 from kmesh_blend.vllm.meta import KMeshMetadata, KMeshWorkerMetadata, LoadRequest
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 from kmesh_blend.vllm.paged_attention import PagedAttention
@@ -44,7 +45,7 @@ class WorkerSide:
     def __init__(self, config: KMeshConfig, model_path: str, dtype: torch.dtype, block_size: int,
                  static_forward_context: dict[str, Any]) -> None:  # fmt: skip
         self.config, self.block_size = config, block_size
-        self.model = ReferenceModel.load(model_path, dtype)
+        self.model = ReferenceModel.load(model_path, dtype, pick_linear(dtype))
         config.validate_for_model(self.model.shape.num_layers)
         shape = self.model.shape
         dtype_name = str(dtype).removeprefix("torch.")
