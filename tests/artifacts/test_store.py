@@ -216,3 +216,17 @@ def test_tool_errors_are_load_errors(tool_client: ToolClient) -> None:
     with pytest.raises(ArtifactInputError, match="base_url"):
         ToolClient("http://example.com")
     store.close()
+
+
+def test_round_scoped_artifacts_retire() -> None:
+    store = ArtifactStore(MiB, MiB)  # keep_rounds=2: round 0's outputs live through round 1
+    store.declare("out/r0", lambda: b"round 0 output", round=0)
+    store.get("out/r0")
+    assert store.advance_round() == 0 and store.get("out/r0").source == "ram"
+    assert store.advance_round() == 1
+    assert store.ram_used_bytes == 0 and store.disk_used_bytes == 0
+    with pytest.raises(UnknownArtifactError):
+        store.get("out/r0")
+    with pytest.raises(ArtifactInputError, match="round of 'bad'"):
+        store.declare("bad", lambda: b"", round=-1)
+    store.close()
