@@ -18,7 +18,7 @@ test: install
 
 bitexact: install
 	@bash scripts/services.sh
-	$(PY) -m pytest tests/bitexact $(PYTEST_ARGS)
+	KMESH_BITEXACT=full $(PY) -m pytest tests/bitexact $(PYTEST_ARGS)
 
 bench: install
 	@bash scripts/services.sh

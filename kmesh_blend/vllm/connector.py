@@ -131,7 +131,11 @@ class KMeshConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if self.worker is not None and isinstance(meta, KMeshMetadata) and meta.saves:
+        if (
+            self.worker is not None
+            and isinstance(meta, KMeshMetadata)
+            and (meta.saves or meta.loads)
+        ):
             self.worker.save(meta)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

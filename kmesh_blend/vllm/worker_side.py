@@ -41,6 +41,17 @@ def set_fault_injector(fn: Callable[[LoadRequest], str | None] | None) -> None:
     _fault_injector = fn
 
 
+# Test hook (tests/bitexact): called after the forward of a step with (request id, prompt KV read
+# back from the paged cache: [L, 2, T, Hkv, D]) for every request this step blended (not failed).
+_kv_capture: Callable[[str, torch.Tensor], None] | None = None
+
+
+def set_kv_capture(fn: Callable[[str, torch.Tensor], None] | None) -> None:
+    """Install (or clear) a KV capture callback. For the bit-exactness suite only."""
+    global _kv_capture
+    _kv_capture = fn
+
+
 class WorkerSide:
     def __init__(self, config: KMeshConfig, model_path: str, dtype: torch.dtype, block_size: int,
                  static_forward_context: dict[str, Any]) -> None:  # fmt: skip
@@ -123,6 +134,8 @@ class WorkerSide:
         """Store the KV of new segments, read back from the paged cache (after the forward)."""
         if self.paged is None:
             return
+        if _kv_capture is not None:
+            self._capture(meta)
         for save in meta.saves:
             for ref in save.segments:
                 slots = slot_mapping(save.block_ids, self.block_size, ref.start, ref.end)
@@ -177,6 +190,16 @@ class WorkerSide:
             self.paged.write(
                 cache, k[load.first : end], v[load.first : end], slots.to(cache.device)
             )
+
+    def _capture(self, meta: KMeshMetadata) -> None:
+        assert self.paged is not None and _kv_capture is not None
+        failed = {r for r, rep in self.out.reports.items() if rep.get("fallback")}
+        for load in meta.loads:
+            if load.req_id in failed:
+                continue
+            slots = slot_mapping(load.block_ids, self.block_size, 0, len(load.token_ids))
+            rows = [self.paged.read(cache, slots) for cache in self.kv_caches]
+            _kv_capture(load.req_id, torch.stack([torch.stack(kv) for kv in rows]))
 
     def _fail(self, load: LoadRequest, reason: str) -> None:
         log.warning("kmesh: request %s recomputes: %s", load.req_id, reason)
