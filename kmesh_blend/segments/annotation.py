@@ -3,7 +3,7 @@
 A request names its shared segments as half-open token spans of its prompt (CONTRACT.md)::
 
     {"kmesh": {"segments": [[start, end], ...], "family": "doc-42", "round": 0,
-               "prepare": false}}
+               "prepare": false, "keep": false}}
 
 or, for clients that cannot send parameters, a configured separator token sequence splits the
 prompt (`split_on_separator`). `parse_request` is what the engine side calls: it never raises;
@@ -35,7 +35,7 @@ __all__ = [
 Span = tuple[int, int]
 """A half-open token span ``(start, end)`` of the prompt, ``0 <= start < end <= num_tokens``."""
 
-KNOWN_FIELDS: tuple[str, ...] = ("segments", "family", "round", "prepare")
+KNOWN_FIELDS: tuple[str, ...] = ("segments", "family", "round", "prepare", "keep")
 MAX_FAMILY_LEN = 256
 _SPANS_VALID = (
     "a non-empty list of [start, end] int pairs, 0 <= start < end <= prompt length, "
@@ -63,6 +63,8 @@ class Annotation:
     round: int | None = None
     prepare: bool = False
     """Application notice: prepare the family's segments now (see `kmesh_blend.segments.notice`)."""
+    keep: bool = False
+    """Keep the prompt's KV as mirrors so the next turn restores it (`kmesh_blend.vllm.turns`)."""
     source: Literal["params", "separator"] = "params"
 
     @property
@@ -154,7 +156,10 @@ def parse_annotation(kmesh: object, num_tokens: int, max_model_len: int) -> Anno
         raise AnnotationError(f"prepare={prepare!r}; valid: true or false", field="prepare")
     if prepare and family is None:
         raise AnnotationError("prepare=true needs a 'family' to prepare", field="prepare")
-    return Annotation(spans, family, round_, prepare)
+    keep = kmesh.get("keep", False)
+    if not isinstance(keep, bool):
+        raise AnnotationError(f"keep={keep!r}; valid: true or false", field="keep")
+    return Annotation(spans, family, round_, prepare, keep)
 
 
 def validate_spans(spans: object, num_tokens: int, max_model_len: int) -> tuple[Span, ...]:

@@ -34,6 +34,9 @@ class LoadRequest:
     block_ids: list[int]
     segments: list[SegmentRef]
     first: int  # tokens before this are already in the paged cache (vLLM's own)
+    turn: str | None = None  # restore this turn record (its prompt = token_ids[:turn_len]) instead
+    turn_len: int = 0
+    keep: str | None = None  # after the forward, store this request's prompt as this turn record
 
 
 @dataclass
@@ -57,10 +60,12 @@ class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
 
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
     published: list[str] = field(default_factory=list)
+    turns: list[str] = field(default_factory=list)  # turn records stored this step
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KMeshWorkerMetadata):
             for req_id, report in other.reports.items():
                 self.reports.setdefault(req_id, {}).update(report)
             self.published.extend(other.published)
+            self.turns.extend(other.turns)
         return self

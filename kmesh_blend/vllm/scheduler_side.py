@@ -23,8 +23,11 @@ from kmesh_blend.vllm.meta import (
     SaveRequest,
     SegmentRef,
 )
+from kmesh_blend.vllm.turns import turn_id
 
 __all__ = ["SchedulerSide"]
+
+_HEAD = 16  # turn records are found by their prompt's first tokens (shorter prompts: not kept)
 
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
@@ -36,6 +39,8 @@ class _Plan:
     loads: list[SegmentRef] = field(default_factory=list)
     saves: list[SegmentRef] = field(default_factory=list)
     first: int = 0
+    turn: tuple[str, int] | None = None  # (turn record, its prompt length) to restore
+    keep: str | None = None  # turn record to store after the forward
     pending_load: bool = False
     saved: bool = False
     blocks: list[int] = field(default_factory=list)
@@ -65,6 +70,10 @@ class SchedulerSide:
         self.published: set[str] = set()
         self.plans: dict[str, _Plan] = {}
         self._saving: set[str] = set()  # segments a save is already scheduled for
+        # Turn records: id → (prompt length, segment uses), and prompt lengths by their head.
+        self.turns: dict[str, tuple[int, list[SegmentRef]]] = {}
+        self._turn_lengths: dict[tuple[int, ...], set[int]] = {}
+        self._keeping: dict[str, tuple[int, list[SegmentRef], tuple[int, ...]]] = {}
         # Reports handed out this step. A request that finishes in the step of its prefill
         # (max_tokens=1) is reported before the worker's outcome arrives later in the same
         # `update_from_output`; the outcome is merged into the same dict before vLLM emits it.
@@ -100,11 +109,20 @@ class SchedulerSide:
         ids = segment_ids(namespace, tokens, spans)
         refs = [SegmentRef(s, e, str(i)) for (s, e), i in zip(spans, ids, strict=True)]
         plan = _Plan(tokens, refs, first=num_computed_tokens)
+        self.plans[request.request_id] = plan
+        turn = self._find_turn(namespace, tokens, refs) if num_computed_tokens == 0 else None
+        if turn is not None:  # the request continues: restore its earlier prompt's KV
+            plan.turn = turn
+            plan.saves = [r for r in refs if r.start >= turn[1]]  # new segments: stored after
+            plan.report["restored_tokens"] = turn[1]
+            return turn[1]
         plan.loads = [r for r in refs if self._is_published(r.segment_id)]
         plan.saves = [r for r in refs if r not in plan.loads]
-        self.plans[request.request_id] = plan
         if not plan.loads or len(tokens) - 1 <= num_computed_tokens:
             return 0
+        if parsed.annotation.keep and len(tokens) >= _HEAD:
+            plan.keep = turn_id(namespace, tokens)
+            self._keeping[plan.keep] = (len(tokens), refs, tuple(tokens[:_HEAD]))
         return len(tokens) - 1 - num_computed_tokens
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -123,8 +141,18 @@ class SchedulerSide:
             plan.blocks = list(new.block_ids[0])
             if plan.pending_load:
                 plan.pending_load = False
+                turn, turn_len = plan.turn or (None, 0)
                 meta.loads.append(
-                    LoadRequest(new.req_id, plan.token_ids, plan.blocks, plan.loads, plan.first)
+                    LoadRequest(
+                        new.req_id,
+                        plan.token_ids,
+                        plan.blocks,
+                        plan.loads,
+                        plan.first,
+                        turn=turn,
+                        turn_len=turn_len,
+                        keep=plan.keep,
+                    )
                 )
             self._maybe_save(
                 meta, new.req_id, plan, new.num_computed_tokens + scheduled.get(new.req_id, 0)
@@ -147,6 +175,12 @@ class SchedulerSide:
             return
         self.published.update(worker_meta.published)
         self._saving.difference_update(worker_meta.published)
+        for record in worker_meta.turns:
+            kept = self._keeping.pop(record, None)
+            if kept is not None:
+                length, refs, head = kept
+                self.turns[record] = (length, refs)
+                self._turn_lengths.setdefault(head, set()).add(length)
         for req_id, report in worker_meta.reports.items():
             plan = self.plans.get(req_id)
             target = plan.report if plan is not None else self._recent.get(req_id)
@@ -174,6 +208,20 @@ class SchedulerSide:
             except Exception as exc:  # a shared store that cannot answer means: recompute
                 log.warning("kmesh: store lookup failed (%s); treating segment as absent", exc)
         return False
+
+    def _find_turn(
+        self, namespace: Namespace, tokens: list[int], refs: list[SegmentRef]
+    ) -> tuple[str, int] | None:
+        """The longest stored turn whose prompt is a proper prefix of ``tokens`` with the same
+        segments at the same places: (record id, its length), or None."""
+        for length in sorted(self._turn_lengths.get(tuple(tokens[:_HEAD]), ()), reverse=True):
+            if length >= len(tokens):  # vLLM must compute at least one token
+                continue
+            record = turn_id(namespace, tokens[:length])
+            stored = self.turns.get(record)
+            if stored is not None and stored[1] == [r for r in refs if r.end <= length]:
+                return record, length
+        return None
 
     def _maybe_save(self, meta: KMeshMetadata, req_id: str, plan: _Plan, done: int) -> None:
         if plan.saved or done < len(plan.token_ids):

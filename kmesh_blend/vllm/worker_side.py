@@ -18,6 +18,7 @@ import torch
 
 from kmesh_blend.blend import BlendOptions, BlendRequest, MasterSource, SegmentUse, blend_group
 from kmesh_blend.config import KMeshConfig
+from kmesh_blend.mirror.lifecycle import MirrorStore
 from kmesh_blend.models import ReferenceModel
 from kmesh_blend.segments.cache import SegmentCache
 from kmesh_blend.segments.master import MasterLayout
@@ -26,6 +27,7 @@ from kmesh_blend.vllm.linear import pick_linear
 from kmesh_blend.vllm.meta import KMeshMetadata, KMeshWorkerMetadata, LoadRequest
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 from kmesh_blend.vllm.paged_attention import PagedAttention
+from kmesh_blend.vllm.turns import restore_turn, save_turn
 
 __all__ = ["WorkerSide", "set_fault_injector"]
 
@@ -67,6 +69,7 @@ class WorkerSide:
             retention_bytes=config.retention_bytes,
             timeout_s=config.singleflight_timeout_s,
         )
+        self.mirrors = MirrorStore(self.cache)
         self.options = BlendOptions.from_config(config)
         self.attn_layers = static_forward_context
         self.kv_caches: list[torch.Tensor] = []
@@ -99,6 +102,9 @@ class WorkerSide:
         ready: list[tuple[LoadRequest, BlendRequest]] = []
         masters: dict[str, Any] = {}
         for load in meta.loads:
+            if load.turn is not None:  # a continuing request: its earlier prompt, restored
+                self._restore_turn(load)
+                continue
             reason = self._prepare(load, masters)
             if reason is None:
                 uses = tuple(SegmentUse(r.start, r.end, r.segment_id) for r in load.segments)
@@ -136,6 +142,9 @@ class WorkerSide:
             return
         if _kv_capture is not None:
             self._capture(meta)
+        for load in meta.loads:
+            if load.keep is not None and not self._failed(load.req_id):
+                self._keep_turn(load)
         for save in meta.saves:
             for ref in save.segments:
                 slots = slot_mapping(save.block_ids, self.block_size, ref.start, ref.end)
@@ -192,14 +201,53 @@ class WorkerSide:
             )
 
     def _capture(self, meta: KMeshMetadata) -> None:
-        assert self.paged is not None and _kv_capture is not None
-        failed = {r for r, rep in self.out.reports.items() if rep.get("fallback")}
+        assert _kv_capture is not None
         for load in meta.loads:
-            if load.req_id in failed:
-                continue
-            slots = slot_mapping(load.block_ids, self.block_size, 0, len(load.token_ids))
-            rows = [self.paged.read(cache, slots) for cache in self.kv_caches]
-            _kv_capture(load.req_id, torch.stack([torch.stack(kv) for kv in rows]))
+            if not self._failed(load.req_id):
+                _kv_capture(load.req_id, self._prompt_kv(load))
+
+    def _prompt_kv(self, load: LoadRequest) -> torch.Tensor:
+        """The request's prompt KV read back from the paged cache: [L, 2, T, Hkv, D]."""
+        assert self.paged is not None
+        slots = slot_mapping(load.block_ids, self.block_size, 0, len(load.token_ids))
+        rows = [self.paged.read(cache, slots) for cache in self.kv_caches]
+        return torch.stack([torch.stack(kv) for kv in rows])
+
+    def _failed(self, req_id: str) -> bool:
+        return bool(self.out.reports.get(req_id, {}).get("fallback"))
+
+    def _restore_turn(self, load: LoadRequest) -> None:
+        assert load.turn is not None
+        if self.paged is None:
+            self._fail(load, "paged KV layout unknown")
+            return
+        reason = _fault_injector(load) if _fault_injector is not None else None
+        if reason is None:
+            reason = restore_turn(
+                self.mirrors, load.turn, load.turn_len, self.paged, self.kv_caches,
+                load.block_ids, self.model.rope.inv_freq,
+            )  # fmt: skip
+        if reason is not None:
+            self._fail(load, reason)
+            return
+        report = self.out.reports.setdefault(load.req_id, {})
+        report.update(reused_tokens=load.turn_len, recomputed_tokens=0, storage_reads=0)
+
+    def _keep_turn(self, load: LoadRequest) -> None:
+        assert load.keep is not None
+        masters = {r.segment_id: self.cache.fetch(r.segment_id).master for r in load.segments}  # type: ignore[arg-type]
+        if any(m is None for m in masters.values()):
+            log.warning("kmesh: turn of %s not kept: a master is gone", load.req_id)
+            return
+        size = save_turn(
+            self.mirrors, load.keep, self._prompt_kv(load), load.segments, masters,
+            self.model.rope.inv_freq,
+        )  # fmt: skip
+        if size:
+            self.out.turns.append(load.keep)
+            self.out.reports.setdefault(load.req_id, {})["kept_bytes"] = size
+        else:
+            log.warning("kmesh: turn of %s could not be stored", load.req_id)
 
     def _fail(self, load: LoadRequest, reason: str) -> None:
         log.warning("kmesh: request %s recomputes: %s", load.req_id, reason)
