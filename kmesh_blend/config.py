@@ -30,6 +30,7 @@ KNOWN_KEYS: tuple[str, ...] = (
     "kmesh.singleflight_timeout_s",
     "kmesh.separator",
     "kmesh.store_cpu_bytes",
+    "kmesh.compress_mirrors",
 )
 
 
@@ -97,6 +98,9 @@ class KMeshConfig:
     """Token ids that split prompts into segments (separator mode); empty = off."""
     store_cpu_bytes: int = 1 << 30
     """LMCache host-RAM pool (bytes): the store itself for ``cpu``, staging for the others."""
+    compress_mirrors: bool = False
+    """Store mirrors' changed rows with lossless byte-plane zlib coding (≈1.4× smaller for bf16,
+    ≈16 ms more per 2k-token mirror on one core); off keeps keeping a turn cheapest."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +118,8 @@ class KMeshConfig:
             _fail("kmesh.singleflight_timeout_s", timeout, "not a positive number", "seconds > 0")
         object.__setattr__(self, "singleflight_timeout_s", float(timeout))
         object.__setattr__(self, "separator", _check_separator(self.separator))
+        if not isinstance(self.compress_mirrors, bool):
+            _fail("kmesh.compress_mirrors", self.compress_mirrors, "not a bool", "true or false")
 
     @property
     def store_spec(self) -> StoreSpec:
@@ -166,6 +172,7 @@ class KMeshConfig:
             "kmesh.singleflight_timeout_s": self.singleflight_timeout_s,
             "kmesh.separator": list(self.separator),
             "kmesh.store_cpu_bytes": self.store_cpu_bytes,
+            "kmesh.compress_mirrors": self.compress_mirrors,
         }
 
 

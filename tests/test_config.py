@@ -55,6 +55,7 @@ def test_round_trip() -> None:
         "kmesh.singleflight_timeout_s": 10.0,
         "kmesh.separator": [],
         "kmesh.store_cpu_bytes": 1 << 30,
+        "kmesh.compress_mirrors": False,
     }
     back = KMeshConfig.from_extra_config(extra)
     assert back == cfg
@@ -120,6 +121,7 @@ VALID = {
     "kmesh.store_cpu_bytes": "an int ≥ 1",
     "kmesh.singleflight_timeout_s": "seconds > 0",
     "kmesh.separator": "a list of token ids",
+    "kmesh.compress_mirrors": "true or false",
 }
 R, L, SEL, SCH, ST = (
     "kmesh.recompute_ratio",
@@ -170,6 +172,8 @@ R, L, SEL, SCH, ST = (
         ("kmesh.separator", [-1]),
         ("kmesh.separator", "a,b"),
         ("kmesh.separator", 7),
+        ("kmesh.compress_mirrors", "yes"),
+        ("kmesh.compress_mirrors", 1),
     ],
     ids=repr,
 )

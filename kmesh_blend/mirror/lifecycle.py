@@ -84,8 +84,8 @@ class MirrorStore:
     """Mirrors in the store and index of one `SegmentCache` (its store must be an
     `LMCacheMasterStore`: mirrors are opaque objects there, ``put_blob`` / ``get_blob``)."""
 
-    def __init__(self, cache: SegmentCache) -> None:
-        self.cache = cache
+    def __init__(self, cache: SegmentCache, compress: bool = False) -> None:
+        self.cache, self.compress = cache, compress  # compress: byte-plane zlib rows (wire)
         self.store: LMCacheMasterStore = cache.store  # type: ignore[assignment]
         self.num_corrupt = 0
         self._mirrors: set[SegmentId] = set()
@@ -118,7 +118,7 @@ class MirrorStore:
             master.kv, master.positions, keys, values, positions, inv_freq,
             granularity, master_version(master),
         )  # fmt: skip
-        blob = encode_bytes(mirror, master_id)
+        blob = encode_bytes(mirror, master_id, self.compress)
         mid = mirror_id(master_id, owner, positions)
         self.cache.index.pin(master_id, _PIN_PREFIX + mid)  # before the write: no gap
         if not self.store.put_blob(mid, blob):

@@ -6,10 +6,14 @@ Layout (little-endian)::
     digest BLAKE2b-128        16 bytes, over n and everything after the fixed header
     n      uint32             length of the JSON header
     JSON   {format, master_id, master_checksum, predictor, unit, shape [L, S, H, D], dtype,
-            num_rows}
+            num_rows, planes}
     positions  int64 [S]
     changed    packed bits of the [L, 2, U] unit mask (numpy ``packbits``, big bit order)
-    rows       [num_rows, H, D] in ``dtype``, C order
+    rows       [num_rows, H, D] in ``dtype``, C order — or, when ``planes`` is a list, the rows'
+               bytes split into byte planes (plane i = byte i of every element, little-endian),
+               each stored as it is (``planes[i] == -1``) or zlib-compressed to ``planes[i]``
+               bytes. The high planes of float KV (sign, exponent) compress; the low ones do not,
+               so a plane is kept compressed only when that is smaller. Lossless either way.
 
 `decode` raises `MirrorFormatError` on anything that does not add up: wrong magic or format,
 digest mismatch (corruption anywhere), a length that disagrees with the header (truncation),
@@ -21,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import zlib
 from typing import NamedTuple
 
 import numpy as np
@@ -53,8 +58,9 @@ class WireHeader(NamedTuple):
     num_rows: int
 
 
-def encode_bytes(mirror: Mirror, master_id: str) -> bytes:
-    """Serialise ``mirror`` (bound to master ``master_id`` and ``mirror.master_checksum``)."""
+def encode_bytes(mirror: Mirror, master_id: str, compress: bool = False) -> bytes:
+    """Serialise ``mirror`` (bound to master ``master_id`` and ``mirror.master_checksum``);
+    ``compress``: byte-plane zlib coding of the rows (see the module docstring)."""
     L, S = mirror.num_layers, mirror.num_tokens
     H, D = (int(x) for x in mirror.rows.shape[1:])
     dtype = str(mirror.rows.dtype).removeprefix("torch.")
@@ -70,19 +76,25 @@ def encode_bytes(mirror: Mirror, master_id: str) -> bytes:
             "shape": [L, S, H, D],
             "dtype": dtype,
             "num_rows": int(mirror.rows.shape[0]),
+            "planes": None,
         },
         separators=(",", ":"),
-    ).encode()
+    )
+    raw = mirror.rows.contiguous().reshape(-1).view(torch.uint8).numpy()
+    rows = raw.tobytes()
+    if compress and raw.size:
+        planes, rows = _encode_planes(raw, mirror.rows.element_size())
+        head = head.replace('"planes":null', f'"planes":{json.dumps(planes)}')
     body = b"".join(
         (
-            head,
+            head.encode(),
             mirror.positions.to(torch.int64).contiguous().numpy().astype("<i8").tobytes(),
             np.packbits(mirror.changed.reshape(-1).numpy()).tobytes(),
-            mirror.rows.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),
+            rows,
         )
     )
-    digest = _digest(len(head), body)
-    return _FIXED.pack(_MAGIC, digest, len(head)) + body
+    n = len(head.encode())
+    return _FIXED.pack(_MAGIC, _digest(n, body), n) + body
 
 
 def decode(blob: bytes) -> tuple[Mirror, WireHeader]:
@@ -118,7 +130,17 @@ def decode(blob: bytes) -> tuple[Mirror, WireHeader]:
         raise MirrorFormatError(f"mirror header has impossible sizes {head}")
     num_units = -(-S // header.unit)
     elem = torch.empty((), dtype=dtype).element_size()
-    sizes = (8 * S, (L * 2 * num_units + 7) // 8, header.num_rows * H * D * elem)
+    planes = head.get("planes")
+    raw_rows = header.num_rows * H * D * elem
+    if planes is not None and (
+        not isinstance(planes, list) or len(planes) != elem
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in planes)
+    ):  # fmt: skip
+        raise MirrorFormatError(f"malformed mirror planes {planes!r}")
+    stored_rows = (
+        raw_rows if planes is None else sum(raw_rows // elem if x < 0 else x for x in planes)
+    )
+    sizes = (8 * S, (L * 2 * num_units + 7) // 8, stored_rows)
     if len(body) - n != sum(sizes):
         raise MirrorFormatError(
             f"mirror body holds {len(body) - n} bytes, header says {sum(sizes)}"
@@ -129,7 +151,8 @@ def decode(blob: bytes) -> tuple[Mirror, WireHeader]:
     bits = np.unpackbits(np.frombuffer(body[at : at + sizes[1]], dtype=np.uint8))
     changed = torch.from_numpy(bits[: L * 2 * num_units].astype(bool)).reshape(L, 2, num_units)
     at += sizes[1]
-    raw = torch.frombuffer(bytearray(body[at:]), dtype=torch.uint8) if sizes[2] else None
+    row_bytes = bytes(body[at:]) if planes is None else _decode_planes(body[at:], planes, raw_rows)
+    raw = torch.frombuffer(bytearray(row_bytes), dtype=torch.uint8) if raw_rows else None
     rows = (
         raw.view(dtype).reshape(header.num_rows, H, D)
         if raw is not None
@@ -142,6 +165,37 @@ def decode(blob: bytes) -> tuple[Mirror, WireHeader]:
         )
     mirror = Mirror(positions, changed, rows, header.unit, header.master_checksum, header.predictor)
     return mirror, header
+
+
+def _encode_planes(raw: np.ndarray, elem: int) -> tuple[list[int], bytes]:
+    """Bytes [N·elem] → (per-plane stored length or −1 for raw, the planes' bytes in order)."""
+    lengths, parts = [], []
+    for plane in raw.reshape(-1, elem).T:
+        data = np.ascontiguousarray(plane).tobytes()
+        packed = zlib.compress(data, 1)
+        keep = len(packed) < len(data)
+        lengths.append(len(packed) if keep else -1)
+        parts.append(packed if keep else data)
+    return lengths, b"".join(parts)
+
+
+def _decode_planes(stored: memoryview, planes: list[int], raw_rows: int) -> bytes:
+    elem = len(planes)
+    per = raw_rows // elem
+    out = np.empty((per, elem), dtype=np.uint8)
+    at = 0
+    for i, length in enumerate(planes):
+        size = per if length < 0 else length
+        chunk = bytes(stored[at : at + size])
+        at += size
+        try:
+            data = chunk if length < 0 else zlib.decompress(chunk)
+        except zlib.error as exc:
+            raise MirrorFormatError(f"mirror plane {i} does not decompress: {exc}") from None
+        if len(data) != per:
+            raise MirrorFormatError(f"mirror plane {i} holds {len(data)} bytes, want {per}")
+        out[:, i] = np.frombuffer(data, dtype=np.uint8)
+    return out.tobytes()
 
 
 def _digest(n: int, body: bytes | memoryview) -> bytes:

@@ -69,7 +69,7 @@ class WorkerSide:
             retention_bytes=config.retention_bytes,
             timeout_s=config.singleflight_timeout_s,
         )
-        self.mirrors = MirrorStore(self.cache)
+        self.mirrors = MirrorStore(self.cache, compress=config.compress_mirrors)
         self.options = BlendOptions.from_config(config)
         self.attn_layers = static_forward_context
         self.kv_caches: list[torch.Tensor] = []

@@ -85,12 +85,14 @@ def test_round_trip_is_bit_exact(
     if fill == "full":
         assert mirror.rows.shape[0] == layers * 2 * tokens
 
-    # Wire round trip: the same mirror, bit for bit.
-    back, header = decode(encode_bytes(mirror, "ab" * 32))
-    assert header.master_id == "ab" * 32 and header.master_checksum == "v1"
-    assert torch.equal(back.changed, mirror.changed) and torch.equal(back.positions, pos)
-    assert back.rows.dtype == mirror.rows.dtype and torch.equal(bits(back.rows), bits(mirror.rows))
-    assert (back.unit, back.predictor) == (mirror.unit, mirror.predictor)
+    # Wire round trip, plain and byte-plane compressed: the same mirror, bit for bit.
+    for compress in (False, True):
+        back, header = decode(encode_bytes(mirror, "ab" * 32, compress))
+        assert header.master_id == "ab" * 32 and header.master_checksum == "v1"
+        assert torch.equal(back.changed, mirror.changed) and torch.equal(back.positions, pos)
+        assert back.rows.dtype == mirror.rows.dtype
+        assert torch.equal(bits(back.rows), bits(mirror.rows))
+        assert (back.unit, back.predictor) == (mirror.unit, mirror.predictor)
 
 
 def test_signed_zero_counts_as_a_change() -> None:
@@ -131,20 +133,20 @@ def test_encode_validates_inputs() -> None:
         encode(master, pos, master[:, 0], master[:, 1], pos[:4], inv_freq(4))
 
 
-def _blob() -> tuple[bytes, Mirror]:
+def _blob(compress: bool = False) -> tuple[bytes, Mirror]:
     gen = torch.Generator().manual_seed(5)
     master = torch.randn(2, 2, 9, 2, 8, generator=gen).bfloat16()
     pos = torch.arange(9)
     changed = torch.rand(2, 2, 9, generator=gen) < 0.3
     keys, values = sibling(master, pos, pos + 40, changed, gen)
     mirror = encode(master, pos, keys, values, pos + 40, inv_freq(8), "token", "c0ffee")
-    return encode_bytes(mirror, "cd" * 32), mirror
+    return encode_bytes(mirror, "cd" * 32, compress), mirror
 
 
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_any_corruption_or_truncation_is_detected(data: st.DataObject) -> None:
-    blob, _ = _blob()
+    blob, _ = _blob(data.draw(st.booleans()))
     at = data.draw(st.integers(0, len(blob) - 1))
     mask = data.draw(st.integers(1, 255))
     corrupted = bytearray(blob)
@@ -156,8 +158,9 @@ def test_any_corruption_or_truncation_is_detected(data: st.DataObject) -> None:
         decode(blob[:cut])
 
 
-def test_intact_blob_decodes() -> None:
+@pytest.mark.parametrize("compress", [False, True])
+def test_intact_blob_decodes(compress: bool) -> None:
     """Guard for the test above: the same blob, untouched, decodes."""
-    blob, mirror = _blob()
+    blob, mirror = _blob(compress)
     back, _ = decode(blob)
     assert torch.equal(bits(back.rows), bits(mirror.rows)) and back.rows.shape[0] > 0

@@ -24,13 +24,17 @@ def _params(spans: list[list[int]] | None, keep: bool = False) -> Any:
     return SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, extra_args=extra)
 
 
-def _conversation(fail_restore: bool = False, tamper: Any = None) -> dict[str, Any]:
+def _conversation(
+    fail_restore: bool = False, tamper: Any = None, compress: bool = False
+) -> dict[str, Any]:
     """Reader, then a follow-up kept as a turn, then its next turn (earlier prompt + answer +
     a new question) annotated with the document at the same place, and that next turn again
     unannotated (vLLM's own prefill of it)."""
     llm = make_llm(
         build_checkpoint(TINY_LLAMA),
-        kv_transfer_config=kv_transfer_config(store="cpu", recompute_ratio=0.15),
+        kv_transfer_config=kv_transfer_config(
+            store="cpu", recompute_ratio=0.15, compress_mirrors=compress
+        ),
         enable_prefix_caching=False,
     )
     captured: dict[str, torch.Tensor] = {}
@@ -63,8 +67,9 @@ def _conversation(fail_restore: bool = False, tamper: Any = None) -> dict[str, A
         gc.collect()
 
 
-def test_next_turn_restores_the_kept_prompt_bit_for_bit() -> None:
-    run = _conversation()
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "zlib-planes"])
+def test_next_turn_restores_the_kept_prompt_bit_for_bit(compress: bool) -> None:
+    run = _conversation(compress=compress)
     first = run["first"].kv_transfer_params["kmesh"]
     second = run["second"].kv_transfer_params["kmesh"]
     assert first["fallback"] is None and first["reused_tokens"] >= DOC_LEN
