@@ -8,9 +8,9 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,6 +23,7 @@ from kmesh_blend.blend import (
 from kmesh_blend.models import LayerwiseModel
 
 RESULTS = Path(__file__).resolve().parent / "results"
+T = TypeVar("T")
 
 
 def follow_up_family(
@@ -58,12 +59,20 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, fl
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {label: [] for label in fns}
-    for _ in range(repeats):
+    for _ in progress(range(repeats), "timed rounds"):
         for label, fn in fns.items():
             t0 = time.perf_counter()
             fn()
             times[label].append(time.perf_counter() - t0)
     return {label: statistics.median(ts) for label, ts in times.items()}
+
+
+def progress(items: Iterable[T], label: str, total: int | None = None) -> Iterable[T]:
+    """``items`` with a progress bar on stderr when it is a terminal (tqdm; silent otherwise,
+    so logs and CI stay clean). ``make bench`` passes the scripts' stderr through."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=label, total=total, file=sys.stderr, leave=False, disable=None)
 
 
 def plot_bars(name: str, labels: list[str], seconds: list[float], title: str) -> Path:

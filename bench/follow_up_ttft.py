@@ -39,7 +39,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, plot_bars, use_allocator
+from _common import emit, plot_bars, progress, use_allocator
 
 from kmesh_blend.testing import BENCH_LLAMA, build_checkpoint
 from kmesh_blend.testing.engine import make_llm
@@ -92,7 +92,7 @@ def main() -> None:
         stock = make_llm(path, **common)
         for _ in range(3):  # warm-up, unmeasured
             ttft(stock, tokens(doc_len + 96), None)
-        for (ids, _), plain in rounds_ids:
+        for (ids, _), plain in progress(rounds_ids, "stock rounds"):
             times["stock"].append(ttft(stock, ids, None)[0])
             times["stock_plain"].append(ttft(stock, plain, None)[0])
         del stock
@@ -118,7 +118,7 @@ def main() -> None:
         ttft(kmesh, tokens(doc_len + 96), None)
     _, reader = ttft(kmesh, reader_ids, reader_spans)  # publishes the document's master
     reports = []
-    for (ids, spans), plain in rounds_ids:
+    for (ids, spans), plain in progress(rounds_ids, "kmesh rounds"):
         t, out = ttft(kmesh, ids, spans)
         times["kmesh"].append(t)
         reports.append(out.kv_transfer_params["kmesh"])

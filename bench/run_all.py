@@ -29,13 +29,15 @@ def main() -> int:
     for script in scripts:
         print(f"== {script.name}", flush=True)
         cmd = [sys.executable, str(script), *(["--quick"] if args.quick else [])]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        # stdout is collected for the result line; stderr (progress bars, logs) goes straight
+        # to the terminal so a long run shows where it is.
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         print(proc.stdout, end="")
         lines = proc.stdout.strip().splitlines()
         try:
             result = json.loads(lines[-1])
         except (IndexError, json.JSONDecodeError):
-            print(proc.stderr[-4000:], file=sys.stderr)
+            print(f"{script.name}: no result line (exit {proc.returncode})", file=sys.stderr)
             failed.append(script.name)
             continue
         (RESULTS / f"{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
