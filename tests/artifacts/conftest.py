@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from kmesh_blend.artifacts import MiniLMEmbedder, ToolClient, ToolServer
+from tests.threads import run_together
 
 N_CHILDREN = 8
 
@@ -41,20 +41,4 @@ def run_children() -> Children:
 
 
 def _run_children(target: Callable[[int], object], n: int = N_CHILDREN) -> list[object]:
-    results: list[object] = [None] * n
-    barrier = threading.Barrier(n)
-
-    def body(i: int) -> None:
-        barrier.wait()
-        try:
-            results[i] = target(i)
-        except BaseException as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "deadlock: a child never finished"
-    return results
+    return run_together(target, n)

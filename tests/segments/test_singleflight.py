@@ -14,29 +14,14 @@ from kmesh_blend.segments.singleflight import (
     SingleFlightError,
     SingleFlightTimeout,
 )
+from tests.threads import run_together
 
 N = 8
 
 
 def _run_threads(target: Callable[[int], object]) -> list[object]:
-    """Start N threads behind a barrier; returns each thread's result or exception."""
-    results: list[object] = [None] * N
-    barrier = threading.Barrier(N)
-
-    def body(i: int) -> None:
-        barrier.wait()
-        try:
-            results[i] = target(i)
-        except BaseException as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(N)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=10)
-    assert not any(t.is_alive() for t in threads), "deadlock: a thread never finished"
-    return results
+    """N threads behind a barrier; each one's result or exception."""
+    return run_together(target, N, timeout=10)
 
 
 class SlowRead:
