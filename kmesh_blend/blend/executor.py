@@ -70,7 +70,8 @@ class BlendResult(NamedTuple):
 
 
 class RequestBlend:
-    """Per-request blend state. Call `step` for layers 0..L-1 in order, then `finish`.
+    """Per-request blend state. For layers 0..L-1 in order call `begin`, attention (`attend`, or a
+    group's), `end`; then `finish`.
 
     ``borrowed``: [T] bool, reused tokens this request never computes itself (collective mode:
     their rows come from the segment's leader). ``per_segment``: select the top share within each
@@ -114,14 +115,6 @@ class RequestBlend:
     @property
     def computes_everything(self) -> bool:
         return self.computed.numel() == self.positions.numel()
-
-    @torch.no_grad()
-    def step(
-        self, layer: int, stored_k: torch.Tensor | None, stored_v: torch.Tensor | None
-    ) -> None:
-        """Run one layer: `begin`, attention (the hook or ``model.attend``), `end`."""
-        inp = self.begin(layer, stored_k, stored_v)
-        self.end(layer, self.attend(layer, inp))
 
     @torch.no_grad()
     def begin(

@@ -92,12 +92,6 @@ class RotaryEmbedding:
         # of a layer, and the layers that compute the same tokens). Positions are never mutated.
         self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``positions``: [T] int → (cos, sin), each [T, head_dim] in ``dtype``."""
-        cos, signed_sin = self._tables(positions, dtype)
-        sin = signed_sin[:, signed_sin.shape[-1] // 2 :]
-        return cos, torch.cat((sin, sin), dim=-1)
-
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x``: [T, heads, head_dim] (any float dtype) to ``positions``: [T] int.
 

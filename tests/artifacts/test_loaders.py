@@ -50,7 +50,6 @@ def test_model_loads_from_the_installed_package(embedder: MiniLMEmbedder) -> Non
 
 
 def test_retrieval_through_faiss(embedder: MiniLMEmbedder) -> None:
-    pytest.importorskip("faiss")
     index = VectorIndex()
     index.add(embedder.embed(DOCS))
     assert index.num_vectors == 4 and index.nbytes == 4 * 384 * 4
