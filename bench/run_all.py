@@ -17,13 +17,20 @@ BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
 README = BENCH.parent / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+Q_BEGIN, Q_END = "<!-- quality:begin -->", "<!-- quality:end -->"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, same code path")
+    parser.add_argument("names", nargs="*", help="only these benchmarks (e.g. quality)")
     args = parser.parse_args()
     scripts = sorted(p for p in BENCH.glob("*.py") if p.name != "run_all.py" and p.name[0] != "_")
+    unknown = set(args.names) - {p.stem for p in scripts}
+    if unknown:
+        parser.error(f"unknown benchmark(s) {sorted(unknown)}; known: {[p.stem for p in scripts]}")
+    if args.names:
+        scripts = [p for p in scripts if p.stem in args.names]
     RESULTS.mkdir(exist_ok=True)
     failed = []
     for script in scripts:
@@ -61,9 +68,31 @@ def write_readme_table() -> None:
         )
     if len(rows) == 2:
         rows.append("| — | not measured yet | — | — | — | — |")
-    text = README.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    README.write_text(text[:start] + "\n" + "\n".join(rows) + "\n" + text[end:])
+    text = _between(README.read_text(), BEGIN, END, rows)
+    quality = RESULTS / "quality.json"
+    if quality.exists():
+        text = _between(text, Q_BEGIN, Q_END, _quality_rows(json.loads(quality.read_text())))
+    README.write_text(text)
+
+
+def _quality_rows(result: dict) -> list[str]:
+    """README's reuse-quality table: every setting of ``bench/quality.py``'s result."""
+    rows = [
+        "| selection | ratio | recomputed | top-1 agreement | KL(full ‖ blend) | perplexity |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["config"]["table"]:
+        exact = " (bit-identical)" if r["bit_identical"] == 1.0 else ""
+        rows.append(
+            f"| {r['selection']} | {r['ratio']:g} | {r['recomputed']:.3f} "
+            f"| {r['agreement']:.3f}{exact} | {r['kl']:.2e} | {r['perplexity']:.3f} |"
+        )
+    return rows
+
+
+def _between(text: str, begin: str, end: str, rows: list[str]) -> str:
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    return text[:start] + "\n" + "\n".join(rows) + "\n" + text[stop:]
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kmesh_blend.blend import SegmentKV
 from kmesh_blend.models import ReferenceModel, prefill
 from kmesh_blend.quality import (
     QualityTask,
@@ -75,3 +76,19 @@ def test_compare_detects_one_ulp() -> None:
     nudged = full.clone()
     nudged[1, 7] = torch.nextafter(nudged[1, 7], torch.tensor(float("inf")))
     assert compare(full, nudged, targets).identical.tolist() == [True, False, True]
+
+
+def test_a_wrong_master_is_visible(model: ReferenceModel, tasks: list[QualityTask]) -> None:
+    """Reused KV that pairs each key with its neighbour's value scores far worse than the true
+    master at ratio 0: on this model the metrics tell good reuse from bad. (Moving keys and values
+    together by one token would barely show: the model finds what to copy by content.)"""
+
+    def shifted(master: SegmentKV) -> SegmentKV:
+        return SegmentKV(master.keys, master.values.roll(1, dims=1), master.positions)
+
+    settings = [Setting(0.0, "per_request")]
+    true = evaluate(model, tasks, settings).result(0.0)
+    wrong = evaluate(model, tasks, settings, master_hook=shifted).result(0.0)
+    print(f"ratio 0: true master KL {true.kl:.2e}, wrong master KL {wrong.kl:.2e}")
+    assert wrong.kl > 5 * true.kl, (true, wrong)
+    assert wrong.agreement < true.agreement, (true, wrong)
