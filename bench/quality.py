@@ -9,13 +9,14 @@ segment prefilled alone at positions 0..S-1.
 
 Every request is scored on its continuation (teacher-forced over its prompt's KV) after a full
 prefill and after a blend at each ratio (0, 0.05, 0.15, 0.3, 1.0), with per_request and
-collective selection (groups of 4, layer_sync, check layer 1). Per setting: top-1 agreement with
-full prefill, mean KL(full ‖ blended), perplexity of the true continuation.
+collective selection (groups of 4, layer_sync, check layer 1 unless --check-layers says
+otherwise). Per setting: top-1 agreement with full prefill, mean KL(full ‖ blended), perplexity
+of the true continuation.
 
 value = top-1 agreement at ratio 0.15, per_request (goal ≥ 0.99). Asserted: per_request at ratio
 1.0 is bit-identical to full prefill (agreement 1, KL 0, every score row equal).
 
-Run: python bench/quality.py [--quick]
+Run: python bench/quality.py [--quick] [--check-layers 1,2,3]
 """
 
 from __future__ import annotations
@@ -39,14 +40,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tasks", type=int, default=None, help="segments (default 2 / 24)")
+    parser.add_argument(
+        "--check-layers",
+        default="1",
+        help="check layers, e.g. 1,2,3 for the paper's gradual filtering (default 1)",
+    )
     args = parser.parse_args()
+    check_layers = tuple(int(x) for x in args.check_layers.split(","))
     num_tasks = args.tasks or (2 if args.quick else 24)
     torch.set_num_threads(2)
 
     start = time.perf_counter()
     model = ReferenceModel.load(quality_model_dir(), torch.float32)
     tasks = standard_tasks(num_tasks)
-    report = evaluate(model, tasks)
+    report = evaluate(model, tasks, check_layers=check_layers)
     seconds = time.perf_counter() - start
     print(format_table(report))
     print(f"({seconds:.1f} s)")
@@ -67,6 +74,7 @@ def main() -> None:
             "quick": args.quick,
             "config": {
                 "model": "kmesh_blend/testing/quality_model (fp32)",
+                "check_layers": list(check_layers),
                 "tasks": report.num_tasks,
                 "requests": report.num_requests,
                 "positions": report.num_positions,
