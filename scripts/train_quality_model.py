@@ -113,10 +113,9 @@ def main() -> int:
 
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(args.seed)
-    shapes = [(args.batch, args.short)] * args.steps + [
-        (long_batch, CONTEXT_LENGTH)
-    ] * args.long_steps
-    batches = (_batch(train_ids, gen, size, t) for size, t in shapes)
+    shapes = [(args.batch, args.short, False)] * args.steps
+    shapes += [(long_batch, CONTEXT_LENGTH, True)] * args.long_steps
+    batches = (_batch(train_ids, gen, size, t, spread) for size, t, spread in shapes)
 
     def check(step: int) -> None:
         if step % args.check_every == 0 or step == len(shapes):
@@ -213,7 +212,9 @@ def _token_nll(model: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, seq[0, 1:], reduction="none")
 
 
-def _batch(ids: torch.Tensor, gen: torch.Generator, size: int, t: int) -> torch.Tensor:
+def _batch(
+    ids: torch.Tensor, gen: torch.Generator, size: int, t: int, spread: bool = False
+) -> torch.Tensor:
     """[size, t] int64 corpus windows at random offsets, each turned into one kind of row.
 
     Per row: with probability 1/2 ``[A, A]`` — the window's first half repeated as its second
@@ -221,13 +222,18 @@ def _batch(ids: torch.Tensor, gen: torch.Generator, size: int, t: int) -> torch.
     1/4 a block of 4–32 random tokens repeated 2–6 times back to back somewhere in the window
     (periods vary row to row, so only matching content finds the earlier occurrence: this is
     what turns copying into induction); 1/4 plain text. Every row is mostly natural text.
+    ``spread`` (phase 2, once copying exists): half of the ``[A, A]`` rows repeat a first part of
+    t/8..t/2 tokens instead, so the copy distance varies and only content can find it.
     """
     rows = []
     for _ in range(size):
         kind = int(torch.randint(0, 4, (), generator=gen))
         o = int(torch.randint(0, ids.numel() - t, (), generator=gen))
         row = ids[o : o + t].clone()
-        if kind < 2:
+        if kind == 0 and spread:
+            n = int(torch.randint(t // 8, t // 2 + 1, (), generator=gen))
+            row[n : 2 * n] = row[:n].clone()
+        elif kind < 2:
             row[t // 2 :] = row[: t // 2].clone()
         elif kind == 2:
             n = int(torch.randint(4, 33, (), generator=gen))
