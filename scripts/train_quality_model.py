@@ -12,10 +12,12 @@ What makes it read its context in half an hour of CPU: a share of the rows are c
 `_batch`) — whole halves repeated (an easy signal that builds the copying circuit) and short
 random-token blocks repeated back to back at varying periods (only content finds the earlier
 occurrence, so copying becomes induction). Phase 1 trains on 256-token windows (cheap), phase 2
-on full 512-token windows (copy distance 256 for the halves, so the check's 192 must be found by
-content, not position). Found by trial on this machine: natural copies at varying distances
-alone, or random blocks at random gaps alone, did not start copying within 500 steps;
-fixed-distance copies alone learned "look back exactly d tokens".
+on full 512-token windows where half of the repeated halves become a repeated first part of
+varying length (t/8..t/2), so the copy distance varies and only content finds it — this phase
+took the check from 2.90 to 0.84 nats on the repeat (1.85 without the varying part). Found by
+trial on this machine: natural copies at varying distances alone, or random blocks at random gaps
+alone, did not start copying within 500 steps; fixed-distance copies alone learned "look back
+exactly d tokens".
 
 Deterministic for a given Python build (the corpus) and thread count: fixed seeds, sorted files,
 one `torch.Generator` for all sampling, ``torch.use_deterministic_algorithms(True)``, fixed
@@ -25,7 +27,7 @@ final numbers in the log are measured on the stored weights, reloaded).
 The log (``train_log.txt`` beside the weights) records the command, seed, configuration, loss
 curve, the context check every ``--check-every`` steps, held-out loss and wall time. The context
 check: 16 held-out passages of 192 tokens, each read twice in one prompt; the run fails unless
-the second read's perplexity is at most a third of the first read's (mean loss lower by ln 3).
+the second read's perplexity is at most an eighth of the first read's (mean loss lower by ln 8).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from kmesh_blend.testing.tokenizer import get_tokenizer_dir
 
 OUT = Path(__file__).resolve().parents[1] / "kmesh_blend" / "testing" / "quality_model"
 MAX_BYTES = 25 * 2**20  # the repository's budget for the committed weights
-CONTEXT_GAIN = math.log(3.0)  # a repeated passage must be at least 3x less perplexing
+CONTEXT_GAIN = math.log(8.0)  # a repeated passage must be at least 8x less perplexing
 
 
 def main() -> int:
@@ -140,7 +142,7 @@ def main() -> int:
     log(f"context check: first occurrence {first:.4f} nats/token, repeat {second:.4f} nats/token")
     if not args.skip_check and not second < first - CONTEXT_GAIN:
         raise SystemExit(
-            "context check failed: the repeat is not 3x less perplexing than the first"
+            "context check failed: the repeat is not 8x less perplexing than the first"
         )
     log(f"context check passed: repeat perplexity {math.exp(second - first):.2f} x the first read")
     return 0
