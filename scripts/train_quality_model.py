@@ -47,6 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
 from kmesh_blend.testing.quality import (
+    CONTEXT_GAIN,
     CONTEXT_LENGTH,
     VOCAB_SIZE,
     held_out_files,
@@ -56,7 +57,6 @@ from kmesh_blend.testing.tokenizer import get_tokenizer_dir
 
 OUT = Path(__file__).resolve().parents[1] / "kmesh_blend" / "testing" / "quality_model"
 MAX_BYTES = 25 * 2**20  # the repository's budget for the committed weights
-CONTEXT_GAIN = math.log(8.0)  # a repeated passage must be at least 8x less perplexing
 
 
 def main() -> int:
@@ -268,11 +268,10 @@ def _tokenize(tokenizer, files: list[Path]) -> torch.Tensor:  # type: ignore[no-
 class _Log:
     """Print a line and append it to the training log (truncated at start)."""
 
-    def __init__(self, path: Path, append: bool = False) -> None:
+    def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        if not append:
-            path.write_text("")
+        path.write_text("")
 
     def __call__(self, line: str) -> None:
         print(line, flush=True)

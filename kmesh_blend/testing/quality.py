@@ -15,11 +15,13 @@ the model never saw (`held_out_files`).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from kmesh_blend.testing.tokenizer import corpus_files
 
 __all__ = [
+    "CONTEXT_GAIN",
     "CONTEXT_LENGTH",
     "HELD_OUT_EVERY",
     "VOCAB_SIZE",
@@ -30,6 +32,9 @@ __all__ = [
 
 VOCAB_SIZE = 4096  # the local tokenizer's size the model is trained with
 CONTEXT_LENGTH = 512  # tokens per training sequence: prompts should stay within it
+# The context check the model must pass (training script and tests): a passage read a second time
+# in one prompt is at least 8x less perplexing than its first read, nll(repeat) < nll(first) - this.
+CONTEXT_GAIN = math.log(8.0)
 HELD_OUT_EVERY = 10  # every 10th corpus file (sorted order) is never trained on
 
 _MODEL_DIR = Path(__file__).resolve().parent / "quality_model"

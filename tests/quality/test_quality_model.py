@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from kmesh_blend.models import ReferenceModel, prefill
 from kmesh_blend.testing.quality import (
+    CONTEXT_GAIN,
     CONTEXT_LENGTH,
     VOCAB_SIZE,
     held_out_files,
@@ -20,9 +21,6 @@ from kmesh_blend.testing.quality import (
     training_files,
 )
 
-# The training script's context check (scripts/train_quality_model.py): a repeated passage's
-# perplexity at most an eighth of its first read's, i.e. nll(repeat) < nll(first) - ln 8.
-CONTEXT_GAIN = math.log(8.0)
 VLLM_CPU_HEAD_DIMS = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}
 
 
