@@ -132,7 +132,7 @@ class RequestBlend:
         m = self.model
         q, k, v = m.project_qkv(layer, self.hidden)
         pos = self._computed_positions()
-        q, k = _rotate_qk(m, q, k, pos)
+        q, k = m.rotate_qk(layer, q, k, pos)
         if layer in self.checks and stored_k is not None and stored_v is not None:
             keep = self._select(layer, k, v, stored_k, stored_v)
             q, k, v, self.hidden = q[keep], k[keep], v[keep], self.hidden[keep]
@@ -227,24 +227,3 @@ class RequestBlend:
             rows = candidates[self.computed].nonzero().squeeze(1)
             keep[rows[select_top(score[rows], count)]] = True
         return keep.nonzero().squeeze(1)
-
-
-def _rotate_qk(
-    model: LayerwiseModel, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE of q [n, H, D] and k [n, Hkv, D] at ``pos``; one pass when k's heads directly follow
-    q's in one buffer (a fused q/k/v projection) — element-wise, so the same bits either way."""
-    n, heads, dim = q.shape
-    adjacent = (
-        k.dtype == q.dtype
-        and k.shape[0] == n
-        and k.stride() == q.stride()
-        and q.stride(2) == 1
-        and q.stride(1) == dim
-        and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()
-    )
-    if not adjacent or n == 0:
-        return model.rope.apply(q, pos), model.rope.apply(k, pos)
-    qk = q.as_strided((n, heads + k.shape[1], dim), q.stride())
-    out = model.rope.apply(qk, pos)
-    return out[:, :heads], out[:, heads:]

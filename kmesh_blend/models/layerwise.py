@@ -53,7 +53,11 @@ class QKV(NamedTuple):
 
 @runtime_checkable
 class LayerwiseModel(Protocol):
-    """A decoder whose layers can be run step by step on any subset of tokens."""
+    """A decoder whose layers can be run step by step on any subset of tokens.
+
+    ``hidden`` is whatever per-token state the model carries between layers, with tokens on
+    dim 0 (the blend only selects rows of it): [T, E] for `ReferenceModel`, [T, 2, E] (hidden
+    and residual) for vLLM's models, whose norms fuse the residual add."""
 
     shape: ModelShape
     rope: RotaryEmbedding
@@ -64,6 +68,15 @@ class LayerwiseModel(Protocol):
 
     def project_qkv(self, layer: int, hidden: torch.Tensor) -> QKV:
         """Pre-attention norm, q/k/v projections and any per-head q/k norm; **no RoPE**."""
+        ...
+
+    def rotate_qk(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of fresh q [n, H, D] and k [n, Hkv, D] at ``positions`` [n] int64, exactly as
+        the model's own forward rotates them (it may work in place on ``q`` / ``k``).
+
+        ``rope`` (above) is the same rotation as a table the blend uses to *move* stored keys."""
         ...
 
     def attend(
@@ -126,8 +139,7 @@ def prefill(
     values: list[torch.Tensor] = []
     for layer in range(model.shape.num_layers):
         q, k, v = model.project_qkv(layer, hidden)
-        q = model.rope.apply(q, positions)
-        k = model.rope.apply(k, positions)
+        q, k = model.rotate_qk(layer, q, k, positions)
         keys.append(k)
         values.append(v)
         hidden = model.finish_layer(layer, hidden, model.attend(q, k, v, mask))

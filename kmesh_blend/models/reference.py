@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from kmesh_blend.models.layerwise import QKV, ModelShape
 from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
 
-__all__ = ["LinearFactory", "ReferenceModel", "torch_linear"]
+__all__ = ["LinearFactory", "ReferenceModel", "rotate_pair", "sdpa_attend", "torch_linear"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -133,27 +133,17 @@ class ReferenceModel:
             k = self._rms_norm(k, self.w[p + "self_attn.k_norm.weight"])
         return QKV(q, k, v)
 
+    def rotate_qk(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of q [n, H, D] and k [n, Hkv, D] at ``positions`` [n] (same table every layer)."""
+        return rotate_pair(self.rope, q, k, positions)
+
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """q [Tq, H, D], k / v [Tk, Hkv, D], mask [Tq, Tk] bool → [Tq, H, D] (model dtype).
-
-        One fused fp32 kernel (torch SDPA, GQA native): no [H, Tq, Tk] score tensor is built,
-        which matters on CPU where those element-wise passes cost more than the matmuls.
-        """
-        out = F.scaled_dot_product_attention(
-            rearrange(q.float(), "t h d -> h t d"),
-            rearrange(k.float(), "t h d -> h t d"),
-            rearrange(v.float(), "t h d -> h t d"),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        out = rearrange(out, "h t d -> t h d")
-        empty = ~mask.any(dim=1)
-        if bool(empty.any()):  # a query with no visible key: zeros, not NaN
-            out[empty] = 0.0
-        return out.to(q.dtype)
+        """q [Tq, H, D], k / v [Tk, Hkv, D], mask [Tq, Tk] bool → [Tq, H, D] (model dtype)."""
+        return sdpa_attend(q, k, v, mask, self.scale)
 
     def finish_layer(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Layer input [T, E] + attention [T, H, D] → layer output [T, E]."""
@@ -177,6 +167,51 @@ class ReferenceModel:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * xf.to(x.dtype)
+
+
+def sdpa_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [Tq, H, D], k / v [Tk, Hkv, D], mask [Tq, Tk] bool → [Tq, H, D] in q's dtype.
+
+    One fused fp32 kernel (torch SDPA, GQA native): no [H, Tq, Tk] score tensor is built,
+    which matters on CPU where those element-wise passes cost more than the matmuls. A query
+    with no visible key gets zeros, not NaN.
+    """
+    out = F.scaled_dot_product_attention(
+        rearrange(q.float(), "t h d -> h t d"),
+        rearrange(k.float(), "t h d -> h t d"),
+        rearrange(v.float(), "t h d -> h t d"),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    out = rearrange(out, "h t d -> t h d")
+    empty = ~mask.any(dim=1)
+    if bool(empty.any()):
+        out[empty] = 0.0
+    return out.to(q.dtype)
+
+
+def rotate_pair(
+    rope: RotaryEmbedding, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of q [n, H, D] and k [n, Hkv, D] at ``pos``; one pass when k's heads directly follow
+    q's in one buffer (a fused q/k/v projection) — element-wise, so the same bits either way."""
+    n, heads, dim = q.shape
+    adjacent = (
+        k.dtype == q.dtype
+        and k.shape[0] == n
+        and k.stride() == q.stride()
+        and q.stride(2) == 1
+        and q.stride(1) == dim
+        and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()
+    )
+    if not adjacent or n == 0:
+        return rope.apply(q, pos), rope.apply(k, pos)
+    qk = q.as_strided((n, heads + k.shape[1], dim), q.stride())
+    out = rope.apply(qk, pos)
+    return out[:, :heads], out[:, heads:]
 
 
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

@@ -56,7 +56,7 @@ def extend(
     hidden = model.embed(token_ids)
     for layer in range(model.shape.num_layers):
         q, k, v = model.project_qkv(layer, hidden)
-        q, k = model.rope.apply(q, positions), model.rope.apply(k, positions)
+        q, k = model.rotate_qk(layer, q, k, positions)
         layer_k = torch.cat([keys[layer], k])
         layer_v = torch.cat([values[layer], v])
         hidden = model.finish_layer(layer, hidden, model.attend(q, layer_k, layer_v, mask))

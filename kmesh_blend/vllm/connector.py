@@ -78,9 +78,12 @@ class KMeshConnector(KVConnectorBase_V1):
                 contains=_shared_store_lookup(self.config, vllm_config),
             )
         else:
+            from kmesh_blend.vllm.plugin import loaded_model
+
             self.worker = WorkerSide(
                 self.config,
-                model_config.model,
+                loaded_model(vllm_config),
+                model_config.hf_config,
                 model_config.dtype,
                 vllm_config.cache_config.block_size,
                 vllm_config.compilation_config.static_forward_context,

@@ -1,8 +1,10 @@
 """Worker side of the connector: blend the step's reusing requests, write their KV into vLLM's
 paged cache before the forward, and store new masters after it.
 
-The blend runs on our layerwise executor (`ReferenceModel`, loaded from the same checkpoint
-files vLLM serves). Any problem with one request — a master that cannot be read or fails its
+The blend runs on the model vLLM loaded (`VllmModel`: vLLM's own modules and weights, reached
+through our plugin), after a start-up check that our layer steps give the same bits as the
+model's own forward; a model that fails it is served on the stock path (every reuse falls back,
+naming the reason). Any problem with one request — a master that cannot be read or fails its
 checksum, an unknown cache layout, an exception in the blend — marks that request's blocks as
 failed loads, so vLLM recomputes it from scratch; its siblings are unaffected.
 """
@@ -19,12 +21,11 @@ import torch
 from kmesh_blend.blend import BlendOptions, BlendRequest, MasterSource, SegmentUse, blend_group
 from kmesh_blend.config import KMeshConfig
 from kmesh_blend.mirror.lifecycle import MirrorStore
-from kmesh_blend.models import ReferenceModel
 from kmesh_blend.segments.cache import SegmentCache
 from kmesh_blend.segments.master import MasterLayout
 from kmesh_blend.segments.store import open_store
-from kmesh_blend.vllm.linear import pick_linear
 from kmesh_blend.vllm.meta import KMeshMetadata, KMeshWorkerMetadata, LoadRequest
+from kmesh_blend.vllm.model import VllmModel, check_decomposition
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 from kmesh_blend.vllm.paged_attention import PagedAttention
 from kmesh_blend.vllm.turns import restore_turn, save_turn
@@ -55,10 +56,13 @@ def set_kv_capture(fn: Callable[[str, torch.Tensor], None] | None) -> None:
 
 
 class WorkerSide:
-    def __init__(self, config: KMeshConfig, model_path: str, dtype: torch.dtype, block_size: int,
-                 static_forward_context: dict[str, Any]) -> None:  # fmt: skip
+    """``model``: the ``nn.Module`` vLLM loaded (None when it could not be reached);
+    ``hf_config``: its Hugging Face config."""
+
+    def __init__(self, config: KMeshConfig, model: Any, hf_config: Any, dtype: torch.dtype,
+                 block_size: int, static_forward_context: dict[str, Any]) -> None:  # fmt: skip
         self.config, self.block_size = config, block_size
-        self.model = ReferenceModel.load(model_path, dtype, pick_linear(dtype))
+        self.model, self.unsupported = _adapt(model, hf_config, dtype)
         config.validate_for_model(self.model.shape.num_layers)
         shape = self.model.shape
         dtype_name = str(dtype).removeprefix("torch.")
@@ -77,8 +81,13 @@ class WorkerSide:
         self.kernel: PagedAttention | None = None  # vLLM's attention kernel for blends, if checked
         self.failed_blocks: set[int] = set()
         self.out = KMeshWorkerMetadata()
+        # req_id → (slot [1], per layer (k, v) [1, Hkv, D]): the blend's KV of the last prompt
+        # token, written back after the forward (see `_write_last_rows`).
+        self.last_rows: dict[str, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.unsupported is not None:
+            return
         names = sorted(kv_caches, key=_layer_index)
         if len(names) != self.model.shape.num_layers:
             log.warning("kmesh: %d KV cache layers for a %d-layer model; reuse disabled",
@@ -127,6 +136,7 @@ class WorkerSide:
             for (load, _), result, hook in zip(ready, results, hooks, strict=True):
                 if hook is None:
                     self._write(load, result.keys, result.values)
+                self._keep_last_row(load, result.keys, result.values)
                 report = self.out.reports.setdefault(load.req_id, {})
                 report["reused_tokens"] = int(result.num_reused)
                 report["recomputed_tokens"] = int(result.num_recomputed)
@@ -140,6 +150,7 @@ class WorkerSide:
         """Store the KV of new segments, read back from the paged cache (after the forward)."""
         if self.paged is None:
             return
+        self._write_last_rows()
         if _kv_capture is not None:
             self._capture(meta)
         for load in meta.loads:
@@ -171,6 +182,8 @@ class WorkerSide:
 
     def _prepare(self, load: LoadRequest, masters: dict[str, Any]) -> str | None:
         """Fetch the masters of ``load`` into ``masters``; the failure reason, or None."""
+        if self.unsupported is not None:
+            return self.unsupported
         if self.paged is None:
             return "paged KV layout unknown"
         if _fault_injector is not None and (reason := _fault_injector(load)) is not None:
@@ -199,6 +212,28 @@ class WorkerSide:
             self.paged.write(
                 cache, k[load.first : end], v[load.first : end], slots.to(cache.device)
             )
+
+    def _keep_last_row(
+        self, load: LoadRequest, keys: list[torch.Tensor], values: list[torch.Tensor]
+    ) -> None:
+        """vLLM computes the last prompt token itself, as a batch of one row; on CPU an fp32
+        GEMM of one row rounds differently from the same row inside the prompt's batch, so its
+        KV would differ from a full prefill's in the last bits. The blend computed that token
+        in the prompt's batch: its row goes back into the cache after the forward."""
+        last = len(load.token_ids) - 1
+        slot = slot_mapping(load.block_ids, self.block_size, last, last + 1)
+        rows = [(k[last : last + 1].clone(), v[last : last + 1].clone())
+                for k, v in zip(keys, values, strict=True)]  # fmt: skip
+        self.last_rows[load.req_id] = (slot, rows)
+
+    def _write_last_rows(self) -> None:
+        assert self.paged is not None
+        rows, self.last_rows = self.last_rows, {}
+        for req_id, (slot, layers) in rows.items():
+            if self._failed(req_id):
+                continue
+            for cache, (k, v) in zip(self.kv_caches, layers, strict=True):
+                self.paged.write(cache, k, v, slot.to(cache.device))
 
     def _capture(self, meta: KMeshMetadata) -> None:
         assert _kv_capture is not None
@@ -257,6 +292,43 @@ class WorkerSide:
             "recomputed_tokens": 0,
             "fallback": f"load error: {reason}",
         }
+
+
+def _adapt(model: Any, hf_config: Any, dtype: torch.dtype) -> tuple[VllmModel, str | None]:
+    """(adapter, None) when the blend can run on ``model``; else (adapter or a shape-only
+    stand-in, the reason every reuse falls back)."""
+    if model is None:
+        reason = "the loaded model was not reachable (is the kmesh_blend vLLM plugin enabled?)"
+    else:
+        try:
+            adapter = VllmModel(model, hf_config, dtype)
+        except Exception as exc:
+            reason = f"model not supported: {type(exc).__name__}: {exc}"
+        else:
+            problem = check_decomposition(adapter)
+            if problem is None:
+                log.info("kmesh: blend runs on vLLM's loaded model (layer check passed)")
+                return adapter, None
+            reason = f"model not supported: {problem}"
+    log.warning("kmesh: reuse disabled, every request is served on the stock path: %s", reason)
+    return _ShapeOnly(hf_config, dtype), reason  # type: ignore[return-value]
+
+
+class _ShapeOnly:
+    """Sizes of a model the blend cannot run on: enough to open the store and report."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        from kmesh_blend.models.layerwise import ModelShape
+        from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
+
+        heads = int(hf_config.num_attention_heads)
+        head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+        self.shape = ModelShape(
+            int(hf_config.num_hidden_layers), heads,
+            int(getattr(hf_config, "num_key_value_heads", None) or heads), head_dim,
+            int(hf_config.hidden_size), int(hf_config.vocab_size), dtype,
+        )  # fmt: skip
+        self.rope = RotaryEmbedding(RopeConfig(head_dim=head_dim))
 
 
 def _layer_index(name: str) -> int:

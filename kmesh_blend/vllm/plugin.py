@@ -1,0 +1,136 @@
+"""vLLM plugin (entry point ``vllm.general_plugins``): lets the connector reach the loaded model.
+
+vLLM hands a KV connector no handle to the model. Every vLLM process runs the callables of the
+``vllm.general_plugins`` entry-point group at start (our ``pyproject.toml`` registers `register`),
+before any model is loaded. `register` wraps the model runners' ``load_model`` so that each loaded
+model is recorded against the runner's ``VllmConfig``; the worker builds its connector after
+``load_model``, so `loaded_model` finds it there. No vLLM file is patched, and the runner modules
+are wrapped only when something imports them (an API-server process never does).
+
+A deployment that sets ``VLLM_PLUGINS`` must list ``kmesh_blend`` in it; without the plugin the
+connector falls back to the runner found on its caller's stack, and failing that serves every
+request on the stock path (one log line says why).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import inspect
+import sys
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+__all__ = ["loaded_model", "register"]
+
+# Runner classes whose ``load_model`` we wrap, by module (CPU's runner does not call super()).
+_RUNNERS = {
+    "vllm.v1.worker.gpu_model_runner": "GPUModelRunner",
+    "vllm.v1.worker.cpu_model_runner": "CPUModelRunner",
+    "vllm.v1.worker.gpu.model_runner": "ModelRunner",
+}
+_models: dict[int, Any] = {}  # id(VllmConfig) → loaded model
+_last: list[Any] = []  # the most recently loaded model in this process
+_lock = threading.Lock()
+_registered = False
+
+
+def register() -> None:
+    """Entry point: wrap the runners' ``load_model`` (now, or when their module is imported)."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        _registered = True
+    for module_name, class_name in _RUNNERS.items():
+        _when_imported(module_name, functools.partial(_wrap_runner, class_name=class_name))
+
+
+def loaded_model(vllm_config: Any) -> Any | None:
+    """The model loaded for ``vllm_config`` in this process, or None.
+
+    Falls back to the single model this process loaded, then to a model runner on the caller's
+    stack (when the plugin did not run)."""
+    with _lock:
+        model = _models.get(id(vllm_config))
+        if model is None and len(_last) == 1:
+            model = _last[0]
+    return model if model is not None else _runner_on_stack()
+
+
+def _record(runner: Any) -> None:
+    model = runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)
+    if model is None:
+        return
+    with _lock:
+        _models[id(runner.vllm_config)] = model
+        _last[:] = [model]
+
+
+def _wrap_runner(module: ModuleType, class_name: str) -> None:
+    cls = getattr(module, class_name, None)
+    load = getattr(cls, "load_model", None) if cls is not None else None
+    if load is None or getattr(load, "_kmesh_wrapped", False):
+        return
+
+    @functools.wraps(load)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = load(self, *args, **kwargs)
+        _record(self)
+        return out
+
+    load_model._kmesh_wrapped = True  # type: ignore[attr-defined]
+    cls.load_model = load_model  # type: ignore[union-attr]
+
+
+def _runner_on_stack() -> Any | None:
+    """A model runner held by a frame that called us (a worker's ``self.model_runner``)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            runner = getattr(owner, "model_runner", None)
+            if runner is not None and hasattr(runner, "get_model"):
+                try:
+                    return runner.get_model()
+                except Exception:
+                    return None
+            frame = frame.f_back
+    finally:
+        del frame
+    return None
+
+
+def _when_imported(name: str, fn: Callable[[ModuleType], None]) -> None:
+    """Call ``fn(module)`` now if ``name`` is imported, else right after its first import."""
+    if name in sys.modules:
+        fn(sys.modules[name])
+        return
+    sys.meta_path.insert(0, _AfterImport(name, fn))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """A finder that lets the normal machinery load one module, then runs a callback on it."""
+
+    def __init__(self, name: str, fn: Callable[[ModuleType], None]) -> None:
+        self.name, self.fn = name, fn
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+        fn = self.fn
+
+        def exec_then_call(module: ModuleType) -> None:
+            exec_module(module)
+            fn(module)
+
+        spec.loader.exec_module = exec_then_call  # type: ignore[method-assign]
+        return spec
