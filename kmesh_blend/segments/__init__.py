@@ -18,6 +18,7 @@ from kmesh_blend.segments.annotation import (
     validate_spans,
 )
 from kmesh_blend.segments.client import Encoded, Shared, encode_marked, encode_parts
+from kmesh_blend.segments.fingerprint import weights_fingerprint
 from kmesh_blend.segments.identity import Namespace, SegmentId, make_namespace, segment_id
 from kmesh_blend.segments.index import SegmentIndex, SegmentInfo, SegmentState
 from kmesh_blend.segments.retention import RetentionPool
@@ -53,4 +54,5 @@ __all__ = [
     "segment_id",
     "split_on_separator",
     "validate_spans",
+    "weights_fingerprint",
 ]

@@ -1,4 +1,5 @@
-"""Test fixtures shipped with the package: tiny checkpoints and a local tokenizer (no network)."""
+"""Test fixtures shipped with the package: tiny checkpoints, a local tokenizer and a real pretrained
+model converted from a local file (no network)."""
 
 from kmesh_blend.testing.models import (
     BENCH_LLAMA,
@@ -10,9 +11,11 @@ from kmesh_blend.testing.models import (
     ModelSpec,
     build_checkpoint,
 )
+from kmesh_blend.testing.smollm2 import SMOLLM2, smollm2_checkpoint
 
 __all__ = [
     "BENCH_LLAMA",
+    "SMOLLM2",
     "TEST_MODELS",
     "TINY_LLAMA",
     "TINY_LLAMA_ROPE3",
@@ -20,4 +23,5 @@ __all__ = [
     "TINY_QWEN3",
     "ModelSpec",
     "build_checkpoint",
+    "smollm2_checkpoint",
 ]
