@@ -5,13 +5,21 @@ re-positioning — sin/cos implementations differ by ulps (fp32 ≤ 2e-5 on |k| 
 ulp of the output); deviation — summation order differs (fp32 relative 1e-5).
 """
 
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
-from kmesh_blend.ops import gather_paged, reposition_keys, scatter_paged, token_deviation
+from kmesh_blend.ops import dispatch, gather_paged, reposition_keys, scatter_paged, token_deviation
 from kmesh_blend.ops.reference import reposition_reference
-from kmesh_blend.ops.selfcheck import run_self_check
+from kmesh_blend.ops.selfcheck import KERNELS, run_self_check
 
 GEN = torch.Generator().manual_seed(0)
 ROPES = {
@@ -149,3 +157,95 @@ def test_self_check_passes_and_can_fail(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(ref, "deviation_reference", lambda a, b: torch.zeros(a.shape[0]))
     assert "deviation_kernel" in (run_self_check("cpu") or "")
+
+
+def test_each_ops_kernel_has_a_passing_self_check() -> None:
+    assert set(KERNELS) <= set(dispatch.registered_kernels())
+    for kernel in KERNELS:
+        assert dispatch.run_self_check(kernel, "cpu") is None, kernel
+
+
+# --- the shared self-check registry, with a deliberately wrong kernel ---------------------------
+
+
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, N: tl.constexpr, FACTOR: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, tl.load(x_ptr + i) * FACTOR)
+
+
+_FACTOR = {"good_double_kernel": 2.0, "wrong_double_kernel": 3.0, "broken_double_kernel": 2.0}
+
+
+def _double(x: torch.Tensor, kernel: str, backend: str = "auto") -> torch.Tensor:
+    """A launcher in the shared pattern: x [16] fp32 → 2·x (the wrong kernel gives 3·x)."""
+    if dispatch.use_triton(backend, x, kernel):
+        if kernel == "broken_double_kernel":
+            raise RuntimeError("no such device function")  # a failed compile, say
+        out = torch.empty_like(x)
+        _scale_kernel[(1,)](x, out, N=x.numel(), FACTOR=_FACTOR[kernel])
+        return out
+    return x * 2.0  # the fp32 reference
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """The registry with three test kernels; "auto" considers Triton on the CPU (interpreter)."""
+    monkeypatch.setattr(dispatch, "_CHECKS", dict(dispatch._CHECKS))
+    monkeypatch.setattr(dispatch, "KERNEL_DEVICES", ("cuda", "cpu"))
+    for name in _FACTOR:
+
+        @dispatch.self_check(name)
+        def check(device: torch.device, name: str = name) -> None:
+            x = torch.arange(16, dtype=torch.float32)
+            dispatch.expect_close("doubled", _double(x.to(device), name, "triton"), x * 2.0)
+
+    dispatch.reset_self_checks()
+    yield
+    dispatch.reset_self_checks()
+
+
+@pytest.mark.usefixtures("registry")
+def test_shared_self_check_disables_a_wrong_kernel(caplog: pytest.LogCaptureFixture) -> None:
+    x = torch.arange(16, dtype=torch.float32)
+    assert "wrong_double_kernel: doubled differs" in (
+        dispatch.run_self_check("wrong_double_kernel", "cpu") or ""
+    )
+    assert torch.equal(_double(x, "wrong_double_kernel", "triton"), 3.0 * x)  # guard: it is wrong
+    with caplog.at_level(logging.INFO, logger="kmesh_blend.ops"):
+        for _ in range(3):  # checked once: one log line per (kernel, device)
+            assert torch.equal(_double(x, "wrong_double_kernel"), 2.0 * x)  # the reference path
+            assert torch.equal(_double(x, "good_double_kernel"), 2.0 * x)  # the kernel
+    assert not dispatch.kernel_ok("wrong_double_kernel", torch.device("cpu"))
+    assert dispatch.kernel_ok("good_double_kernel", torch.device("cpu"))
+    ours = [r for r in caplog.records if r.name == "kmesh_blend.ops"]
+    warnings = [r for r in ours if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and len(ours) == 2  # one warning, one "passed" line
+    assert "wrong_double_kernel disabled on cpu" in warnings[0].getMessage()
+    assert "max |error| 15" in warnings[0].getMessage()  # 3·15 − 2·15: the error is named
+
+
+@pytest.mark.usefixtures("registry")
+def test_shared_self_check_disables_a_kernel_that_raises(caplog: pytest.LogCaptureFixture) -> None:
+    x = torch.arange(16, dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="kmesh_blend.ops"):
+        assert torch.equal(_double(x, "broken_double_kernel"), 2.0 * x)
+    assert "broken_double_kernel disabled on cpu" in caplog.text
+    assert "RuntimeError: no such device function" in caplog.text
+    with pytest.raises(KeyError):
+        dispatch.run_self_check("unregistered_kernel", "cpu")
+    with pytest.raises(ValueError, match="valid: 'auto', 'torch', 'triton'"):
+        dispatch.resolve("cuda", x, "good_double_kernel")
+    assert dispatch.resolve("flashinfer", x, "good_double_kernel", ("flashinfer",)) == "flashinfer"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only machine")
+def test_gpu_check_without_cuda_exits_2(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path / "r.json")],
+        cwd=root, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "no CUDA device" in proc.stderr and not (tmp_path / "r.json").exists()

@@ -3,8 +3,10 @@
 Each validates shapes, dtypes and devices, allocates fp32 outputs and dispatches to a backend:
 ``"torch"`` (`kmesh_blend.attention.reference`), ``"triton"`` (`kmesh_blend.kernels.cascade_merge`;
 compiled on CUDA, on the CPU only under ``TRITON_INTERPRET=1``) or ``"flashinfer"`` (CUDA only,
-fp16/bf16 inputs; imported lazily and never by ``import kmesh_blend``). Backend choice for
-``"auto"`` lives in `kmesh_blend.attention.backend`.
+fp16/bf16 inputs; imported lazily and never by ``import kmesh_blend``). ``"auto"`` here picks
+Triton for CUDA tensors once that kernel passed its self-check (registered below with
+`kmesh_blend.ops.dispatch`), torch otherwise; the whole cascade's ``"auto"`` (FlashInfer first)
+lives in `kmesh_blend.attention.backend`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,18 @@ import torch
 
 from kmesh_blend.attention import reference
 from kmesh_blend.ops import reposition_keys
-from kmesh_blend.ops.launch import next_pow2
+from kmesh_blend.ops.dispatch import (
+    FLOAT_DTYPES,
+    check_index,
+    expect_close,
+    next_pow2,
+    resolve,
+    self_check,
+)
 
 __all__ = ["CascadeBackend", "level_state", "merge_state"]
 
 CascadeBackend = Literal["auto", "torch", "triton", "flashinfer"]
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MIN_TILE = 16  # tl.dot tiles must be ≥ 16 in compiled code (the interpreter accepts less)
 
 
@@ -35,7 +43,7 @@ def level_state(
     exclude_row: torch.Tensor | None = None,
     q_shift: torch.Tensor | None = None,
     inv_freq: torch.Tensor | None = None,
-    backend: Literal["torch", "triton", "flashinfer"] = "torch",
+    backend: CascadeBackend = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention state of one cascade level.
 
@@ -55,20 +63,19 @@ def level_state(
             raise ValueError(f"q_shift must be [{q.shape[0]}] int64, got {q_shift.shape}")
         if inv_freq.shape != (q.shape[-1] // 2,) or q.shape[-1] % 2:
             raise ValueError(f"inv_freq must be [{q.shape[-1] // 2}], got {inv_freq.shape}")
-    if backend == "triton":
+    name = resolve(backend, q, "level_attention_kernel", ("flashinfer",))
+    if name == "triton":
         return _level_triton(
             q, k, v, k_positions, q_limits, exclude, exclude_row, q_shift, inv_freq, scale
         )
     if q_shift is not None and inv_freq is not None:  # torch / flashinfer: rotate first, fp32
-        rot: Literal["torch", "triton"] = "torch" if backend == "torch" else "triton"
+        rot: Literal["torch", "triton"] = "torch" if name == "torch" else "triton"
         q = reposition_keys(q.float(), q_shift, inv_freq.float(), rot)
-    if backend == "torch":
+    if name == "torch":
         return reference.level_state_reference(
             q, k, v, k_positions, q_limits, exclude, exclude_row, scale
         )
-    if backend == "flashinfer":
-        return _level_flashinfer(q, k, v, k_positions, q_limits, exclude, exclude_row, scale)
-    raise ValueError(f"backend={backend!r}; valid: 'torch', 'triton', 'flashinfer'")
+    return _level_flashinfer(q, k, v, k_positions, q_limits, exclude, exclude_row, scale)
 
 
 def merge_state(
@@ -76,7 +83,7 @@ def merge_state(
     sa: torch.Tensor,
     vb: torch.Tensor,
     sb: torch.Tensor,
-    backend: Literal["torch", "triton", "flashinfer"] = "torch",
+    backend: CascadeBackend = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of two states over disjoint key sets (base-2 log-sum-exp, FACTS.md).
 
@@ -85,18 +92,26 @@ def merge_state(
     """
     if va.dim() != 3 or vb.shape != va.shape:
         raise ValueError(f"va, vb must be equal [n, H, D], got {tuple(va.shape)}, {vb.shape}")
-    for name, s in (("sa", sa), ("sb", sb)):
+    for label, s in (("sa", sa), ("sb", sb)):
         if s.shape != va.shape[:2] or s.dtype != torch.float32 or s.device != va.device:
-            raise ValueError(f"{name} must be {list(va.shape[:2])} fp32 on {va.device}")
-    if backend == "torch":
+            raise ValueError(f"{label} must be {list(va.shape[:2])} fp32 on {va.device}")
+    name = resolve(backend, va, "merge_state_kernel", ("flashinfer",))
+    if name == "torch":
         return reference.merge_state_reference(va, sa, vb, sb)
-    if backend == "flashinfer":
+    if name == "flashinfer":
         import flashinfer  # CUDA only; the self-check proves it before "auto" picks it
 
         v, s = flashinfer.merge_state(va.contiguous(), sa, vb.contiguous(), sb)
         return v.float(), s.float()
-    if backend != "triton":
-        raise ValueError(f"backend={backend!r}; valid: 'torch', 'triton', 'flashinfer'")
+    return _merge_triton(va, sa, vb, sb)
+
+
+# --- backends (arguments already validated; scripts/gpu_check.py also times the Triton ones) ----
+
+
+def _merge_triton(
+    va: torch.Tensor, sa: torch.Tensor, vb: torch.Tensor, sb: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     from kmesh_blend.kernels.cascade_merge import merge_state_kernel
 
     n, h, d = va.shape
@@ -110,9 +125,6 @@ def merge_state(
             BLOCK_D=next_pow2(d),
         )  # fmt: skip
     return vo, so
-
-
-# --- backends -----------------------------------------------------------------------------------
 
 
 def _level_triton(
@@ -188,6 +200,43 @@ def _level_flashinfer(
     return out, lse
 
 
+# --- self-checks (fp32 scratch inputs against the fp32 torch references) ------------------------
+
+
+@self_check("level_attention_kernel")
+def _check_level_kernel(device: torch.device) -> None:
+    """GQA 4:2, head_dim 32, 45 keys (a partial tile), shifts, exclusions, one empty query."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 32, generator=gen) for n, h in ((6, 4), (45, 2), (45, 2)))
+    k_pos = torch.arange(40, 85)
+    q_lim = torch.randint(30, 90, (6,), generator=gen)
+    q_lim[0] = 10  # sees no key: the empty state (0, −inf)
+    exclude = torch.rand(3, 45, generator=gen) < 0.3
+    exclude_row = torch.randint(0, 3, (6,), generator=gen)
+    shift = torch.randint(-500, 500, (6,), generator=gen)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32)
+    cpu = (q, k, v, k_pos, q_lim, exclude, exclude_row, shift, inv_freq)
+    qd, kd, vd, kp, ql, ex, er, sh, fr = (t.to(device) for t in cpu)
+    got = level_state(qd, kd, vd, kp, ql, 0.17, ex, er, sh, fr, backend="triton")
+    want = level_state(q, k, v, k_pos, q_lim, 0.17, exclude, exclude_row, shift, inv_freq)
+    expect_close("level values", got[0], want[0], rtol=1e-4, atol=1e-4)
+    expect_close("level log2-sum-exp", got[1], want[1], rtol=1e-4, atol=1e-4)
+
+
+@self_check("merge_state_kernel")
+def _check_merge_kernel(device: torch.device) -> None:
+    """Random states, one side empty, both empty, far apart (2^-300 underflows)."""
+    gen = torch.Generator().manual_seed(0)
+    va, vb = torch.randn(2, 37, 3, 32, generator=gen)
+    sa, sb = torch.randn(2, 37, 3, generator=gen) * 20
+    sa[0], sb[1], sa[2], sb[2], sa[3], sb[3] = (float("-inf"),) * 4 + (150.0, -150.0)
+    dva, dsa, dvb, dsb = (t.to(device) for t in (va, sa, vb, sb))
+    got = merge_state(dva, dsa, dvb, dsb, backend="triton")
+    want = merge_state(va, sa, vb, sb, backend="torch")
+    expect_close("merged values", got[0], want[0], rtol=1e-5, atol=1e-5)
+    expect_close("merged log2-sum-exp", got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
 # --- helpers ------------------------------------------------------------------------------------
 
 
@@ -204,16 +253,12 @@ def _check_level(
         raise ValueError(f"q [M, H, D], k = v [S, Hkv, D]; got {q.shape}, {k.shape}, {v.shape}")
     if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)} (D, H % Hkv)")
-    if q.dtype not in _FLOAT_DTYPES or k.dtype not in _FLOAT_DTYPES or v.dtype != k.dtype:
+    if q.dtype not in FLOAT_DTYPES or k.dtype not in FLOAT_DTYPES or v.dtype != k.dtype:
         raise ValueError(
             f"float q, k, v (k, v alike) required; got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    for name, t, n in (
-        ("k_positions", k_positions, k.shape[0]),
-        ("q_limits", q_limits, q.shape[0]),
-    ):
-        if t.shape != (n,) or t.dtype != torch.int64 or t.device != q.device:
-            raise ValueError(f"{name} must be [{n}] int64 on {q.device}, got {t.shape} {t.dtype}")
+    check_index("k_positions", k_positions, k.shape[0], q.device)
+    check_index("q_limits", q_limits, q.shape[0], q.device)
     if (exclude is None) != (exclude_row is None):
         raise ValueError("exclude and exclude_row go together")
     if exclude is not None and exclude_row is not None:

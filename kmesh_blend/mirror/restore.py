@@ -6,8 +6,9 @@
 
 Backends: ``"triton"`` runs `kmesh_blend.kernels.mirror_restore` (compiled on CUDA; on the CPU
 only under ``TRITON_INTERPRET=1``); ``"torch"`` runs `kmesh_blend.mirror.reference`; ``"auto"``
-picks Triton for CUDA tensors when this kernel's self-check (`mirror_kernel_ok`: a restore that
-must equal the reference bit for bit) passed on that device, torch otherwise.
+picks Triton for CUDA tensors when this kernel's self-check (registered with
+`kmesh_blend.ops.dispatch`: a restore that must equal the reference bit for bit) passed on that
+device, torch otherwise.
 
 Both backends compute predicted K rows with the same op sequence (`PREDICTOR`): cos/sin from
 `kmesh_blend.ops.reference.rope_tables`, computed once per plan on the CPU and shared; the kernel
@@ -17,21 +18,28 @@ losslessly on either. A mirror with another ``predictor`` is refused (`ValueErro
 
 from __future__ import annotations
 
-import logging
-from functools import cache
 from typing import NamedTuple
 
 import torch
 
 from kmesh_blend.mirror import reference
 from kmesh_blend.mirror.codec import PREDICTOR, Mirror, row_index
-from kmesh_blend.ops import Backend
-from kmesh_blend.ops.launch import use_triton
+from kmesh_blend.ops import dispatch
+from kmesh_blend.ops.dispatch import (
+    Backend,
+    check_like,
+    check_paged,
+    check_slots,
+    expect_close,
+    next_pow2,
+    self_check,
+    use_triton,
+)
 from kmesh_blend.ops.reference import rope_tables
 
-__all__ = ["RestorePlan", "mirror_kernel_ok", "plan_restore", "restore_layer"]
+__all__ = ["RestorePlan", "mirror_kernel_ok", "plan_restore", "restore_layer", "run_self_check"]
 
-log = logging.getLogger("kmesh_blend.mirror")
+KERNEL = "mirror_restore_kernel"
 
 
 class RestorePlan(NamedTuple):
@@ -119,17 +127,12 @@ def restore_layer(
     """
     S, H, D = master_kv.shape[2:]
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4 or c.shape[2] != block_size or (c.shape[1], c.shape[3]) != (H, D):
-            raise ValueError(f"{name} {tuple(c.shape)} is not [block, {H}, {block_size}, {D}]")
-        if c.dtype != master_kv.dtype or c.device != master_kv.device:
-            raise ValueError(f"{name} {c.dtype} on {c.device}; want {master_kv.dtype} on master's")
-    if slots.shape != (S,) or slots.dtype != torch.int64 or slots.device != master_kv.device:
-        raise ValueError(f"slots must be [{S}] int64 on {master_kv.device}")
-    if S and (int(slots.min()) < 0 or int(slots.max()) >= k_cache.shape[0] * block_size):
-        raise ValueError(f"slots out of range [0, {k_cache.shape[0] * block_size})")
+        check_paged(name, c, block_size, H, D)
+        check_like(name, c, master_kv.device, master_kv.dtype)
+    check_slots(slots, S, master_kv.device, k_cache.shape[0] * block_size)
     if not 0 <= layer < master_kv.shape[0]:
         raise ValueError(f"layer {layer} outside [0, {master_kv.shape[0]})")
-    if use_triton(backend, master_kv, mirror_kernel_ok):
+    if use_triton(backend, master_kv, KERNEL):
         _launch(plan, master_kv, layer, k_cache, v_cache, slots, block_size)
         return
     reference.restore_paged_reference(
@@ -138,42 +141,39 @@ def restore_layer(
     )  # fmt: skip
 
 
-@cache
 def mirror_kernel_ok(device: torch.device) -> bool:
     """True when the kernel restored a small mirror on ``device`` bit-identically to the torch
     reference (checked once per device; one warning line otherwise)."""
-    failure = run_self_check(device)
-    if failure is not None:
-        log.warning("kmesh mirror restore: using the torch path on %s: %s", device, failure)
-    return failure is None
+    return dispatch.kernel_ok(KERNEL, device)
 
 
 def run_self_check(device: torch.device | str) -> str | None:
-    """Restore a random mirror with both backends; None, or why the kernel cannot be trusted."""
+    """Run the kernel's self-check now; None, or why it cannot be trusted."""
+    return dispatch.run_self_check(KERNEL, device)
+
+
+@self_check(KERNEL)
+def _check_restore(device: torch.device) -> None:
+    """Restore a random mirror (two shifts, replaced K and V rows) with both backends."""
     from kmesh_blend.mirror.codec import encode
 
-    device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
-    try:
-        master = torch.randn(2, 2, 21, 2, 64, generator=gen)
-        pos = torch.arange(21, dtype=torch.int64)
-        keys, values = master[:, 0].clone(), master[:, 1].clone()
-        keys[:, 3], values[1, 7] = 1.0, -2.0
-        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 64, 2) / 64)
-        mirror = encode(master, pos, keys, values, pos, inv_freq)
-        mirror = Mirror(pos + 300, mirror.changed, mirror.rows, mirror.unit, "")
-        caches = [torch.zeros(2, 2, 16, 64).to(device) for _ in range(4)]
-        slots = torch.randperm(32, generator=gen)[:21].to(device)
-        dev_master = master.to(device)
-        plan = plan_restore(dev_master, pos.to(device), mirror, inv_freq)
-        for layer in range(2):
-            restore_layer(plan, dev_master, layer, caches[0], caches[1], slots, 16, "triton")
-            restore_layer(plan, dev_master, layer, caches[2], caches[3], slots, 16, "torch")
-            if not (torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])):
-                return "mirror_restore_kernel differs from its reference"
-    except Exception as exc:  # any launch/compile problem means: do not trust the kernel
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    master = torch.randn(2, 2, 21, 2, 64, generator=gen)
+    pos = torch.arange(21, dtype=torch.int64)
+    keys, values = master[:, 0].clone(), master[:, 1].clone()
+    keys[:, 3], values[1, 7] = 1.0, -2.0
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 64, 2) / 64)
+    mirror = encode(master, pos, keys, values, pos, inv_freq)
+    mirror = Mirror(pos + 300, mirror.changed, mirror.rows, mirror.unit, "")
+    caches = [torch.zeros(2, 2, 16, 64).to(device) for _ in range(4)]
+    slots = torch.randperm(32, generator=gen)[:21].to(device)
+    dev_master = master.to(device)
+    plan = plan_restore(dev_master, pos.to(device), mirror, inv_freq)
+    for layer in range(2):
+        restore_layer(plan, dev_master, layer, caches[0], caches[1], slots, 16, "triton")
+        restore_layer(plan, dev_master, layer, caches[2], caches[3], slots, 16, "torch")
+        expect_close(f"K cache of layer {layer}", caches[0], caches[2])
+        expect_close(f"V cache of layer {layer}", caches[1], caches[3])
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -200,6 +200,6 @@ def _launch(
         mk, mv, rows, plan.row_of[layer, 0], plan.row_of[layer, 1], plan.table,
         plan.cos, plan.sin, k_cache, v_cache, slots,
         *mk.stride(), *mv.stride(), *rows.stride(), *k_cache.stride(), *v_cache.stride(),
-        HALF=half, BLOCK_HALF=1 << max(0, (half - 1).bit_length()), BLOCK_SIZE=block_size,
+        HALF=half, BLOCK_HALF=next_pow2(half), BLOCK_SIZE=block_size,
         enable_fp_fusion=False,  # round each product and sum alone, as the torch reference does
     )  # fmt: skip

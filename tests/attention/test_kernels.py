@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kmesh_blend.attention import cascade_attention, level_state, merge_state
 from kmesh_blend.attention.backend import run_self_check
 from kmesh_blend.attention.reference import attention_state
+from kmesh_blend.ops import dispatch
 from tests.attention.problems import ROPES, ground_truth, make_problem
 
 GEN = torch.Generator().manual_seed(0)
@@ -129,3 +130,29 @@ def test_self_check_passes_and_can_fail(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(cascade, "merge_state", wrong_merge)
     assert "differs from the reference" in (run_self_check("torch", "cpu") or "")
     assert run_self_check("flashinfer", "cpu") is not None  # no CUDA here: refused, with a reason
+
+
+def test_kernel_self_checks_pass_and_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-kernel checks registered with `kmesh_blend.ops.dispatch` (used by "auto")."""
+    for kernel in ("level_attention_kernel", "merge_state_kernel"):
+        assert dispatch.run_self_check(kernel, "cpu") is None
+    import kmesh_blend.attention.reference as ref
+
+    true_level = ref.level_state_reference
+
+    def wrong_level(*args, **kwargs):  # type: ignore[no-untyped-def]
+        v, s = true_level(*args, **kwargs)
+        return v, s + 1e-3  # a small error in the log2-sum-exp only
+
+    monkeypatch.setattr(ref, "level_state_reference", wrong_level)
+    failure = dispatch.run_self_check("level_attention_kernel", "cpu") or ""
+    assert failure.startswith("level_attention_kernel: level log2-sum-exp differs")
+
+
+def test_auto_on_cpu_takes_the_reference_and_backends_are_validated() -> None:
+    va, sa, vb, sb = _states(5, 2)
+    auto = merge_state(va, sa, vb, sb, backend="auto")
+    want = merge_state(va, sa, vb, sb, backend="torch")
+    assert all(torch.equal(a, b) for a, b in zip(auto, want, strict=True))
+    with pytest.raises(ValueError, match="valid: 'auto', 'torch', 'triton', 'flashinfer'"):
+        merge_state(va, sa, vb, sb, backend="cuda")  # type: ignore[arg-type]

@@ -106,8 +106,20 @@ def test_a_wrong_shift_is_caught() -> None:
     assert not torch.equal(got_k, keys)
 
 
-def test_self_check_passes_under_the_interpreter() -> None:
+def test_self_check_passes_under_the_interpreter_and_can_fail(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert run_self_check("cpu") is None
+    import kmesh_blend.mirror.reference as ref
+
+    true_restore = ref.restore_paged_reference
+
+    def wrong_restore(*args, **kwargs):  # type: ignore[no-untyped-def]
+        true_restore(*args, **kwargs)
+        args[6].view(-1)[0] += 1.0  # one value of the V cache off
+
+    monkeypatch.setattr(ref, "restore_paged_reference", wrong_restore)
+    assert (run_self_check("cpu") or "").startswith("mirror_restore_kernel: V cache of layer 0")
 
 
 def test_plan_and_launch_validate_inputs() -> None:
