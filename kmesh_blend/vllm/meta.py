@@ -13,7 +13,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-__all__ = ["KMeshMetadata", "KMeshWorkerMetadata", "LoadRequest", "SaveRequest", "SegmentRef"]
+__all__ = [
+    "VLLM_TAIL",
+    "KMeshMetadata",
+    "KMeshWorkerMetadata",
+    "LoadRequest",
+    "SaveRequest",
+    "SegmentRef",
+]
+
+
+VLLM_TAIL = 2
+"""Prompt tokens at the end that vLLM computes itself in its forward, over the blended KV.
+
+vLLM's connector contract leaves at least the last one to vLLM. We leave two: vLLM's CPU
+attention takes a decode path for a single query token, whose bits differ more from the same row
+inside a prefill (measured on the tiny fp32 Llama: log-probabilities identical to stock with 2,
+not with 1). The worker writes the blend's own rows for these tokens back after the forward."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +43,7 @@ class SegmentRef:
 
 @dataclass
 class LoadRequest:
-    """Blend this request and write its KV for prompt tokens [first, len(token_ids) − 1)."""
+    """Blend this request and write its KV for prompt tokens [first, len(token_ids) − VLLM_TAIL)."""
 
     req_id: str
     token_ids: list[int]

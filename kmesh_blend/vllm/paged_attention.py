@@ -94,8 +94,10 @@ class PagedAttention:
     def _runs(self, layer: int, table: torch.Tensor, q: torch.Tensor,
               q_positions: torch.Tensor) -> _Runs:  # fmt: skip
         """Runs of consecutive positions become causal "requests" ending at the run's last
-        token; with the kernel's schedule for them (it depends on shapes, not on values)."""
+        token; with the kernel's schedule for them (it depends on shapes, not on values), built
+        with the settings vLLM's own attention metadata uses, so a full run gives its bits."""
         from vllm import _custom_ops as ops
+        from vllm import envs
 
         attn = self.layers[layer]
         breaks = torch.nonzero(q_positions[1:] != q_positions[:-1] + 1).squeeze(1) + 1
@@ -109,7 +111,7 @@ class PagedAttention:
             num_reqs=num_runs, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, seq_lens=seq_lens, dtype=q.dtype,
             query_start_loc=query_start_loc, causal=True, sliding_window_size=-1,
-            isa=attn.isa, enable_kv_split=False, dynamic_causal=None,
+            isa=attn.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
             kv_cache_dtype=attn.impl.kv_cache_dtype,
         )  # fmt: skip
         return _Runs(query_start_loc, seq_lens, block_table, metadata)

@@ -17,6 +17,7 @@ from kmesh_blend.config import KMeshConfig
 from kmesh_blend.segments.annotation import parse_request
 from kmesh_blend.segments.identity import Namespace, segment_ids
 from kmesh_blend.vllm.meta import (
+    VLLM_TAIL,
     KMeshMetadata,
     KMeshWorkerMetadata,
     LoadRequest,
@@ -118,12 +119,12 @@ class SchedulerSide:
             return turn[1]
         plan.loads = [r for r in refs if self._is_published(r.segment_id)]
         plan.saves = [r for r in refs if r not in plan.loads]
-        if not plan.loads or len(tokens) - 1 <= num_computed_tokens:
+        if not plan.loads or len(tokens) - VLLM_TAIL <= num_computed_tokens:
             return 0
         if parsed.annotation.keep and len(tokens) >= _HEAD:
             plan.keep = turn_id(namespace, tokens)
             self._keeping[plan.keep] = (len(tokens), refs, tuple(tokens[:_HEAD]))
-        return len(tokens) - 1 - num_computed_tokens
+        return len(tokens) - VLLM_TAIL - num_computed_tokens
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         plan = self.plans.get(request.request_id)

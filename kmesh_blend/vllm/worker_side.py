@@ -24,7 +24,7 @@ from kmesh_blend.mirror.lifecycle import MirrorStore
 from kmesh_blend.segments.cache import SegmentCache
 from kmesh_blend.segments.master import MasterLayout
 from kmesh_blend.segments.store import open_store
-from kmesh_blend.vllm.meta import KMeshMetadata, KMeshWorkerMetadata, LoadRequest
+from kmesh_blend.vllm.meta import VLLM_TAIL, KMeshMetadata, KMeshWorkerMetadata, LoadRequest
 from kmesh_blend.vllm.model import VllmModel, check_decomposition
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 from kmesh_blend.vllm.paged_attention import PagedAttention
@@ -81,9 +81,9 @@ class WorkerSide:
         self.kernel: PagedAttention | None = None  # vLLM's attention kernel for blends, if checked
         self.failed_blocks: set[int] = set()
         self.out = KMeshWorkerMetadata()
-        # req_id → (slot [1], per layer (k, v) [1, Hkv, D]): the blend's KV of the last prompt
-        # token, written back after the forward (see `_write_last_rows`).
-        self.last_rows: dict[str, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        # req_id → (slots [VLLM_TAIL], per layer (k, v) [VLLM_TAIL, Hkv, D]): the blend's KV of
+        # the prompt's tail, written back after the forward (see `_keep_tail`).
+        self.tails: dict[str, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.unsupported is not None:
@@ -136,7 +136,7 @@ class WorkerSide:
             for (load, _), result, hook in zip(ready, results, hooks, strict=True):
                 if hook is None:
                     self._write(load, result.keys, result.values)
-                self._keep_last_row(load, result.keys, result.values)
+                self._keep_tail(load, result.keys, result.values)
                 report = self.out.reports.setdefault(load.req_id, {})
                 report["reused_tokens"] = int(result.num_reused)
                 report["recomputed_tokens"] = int(result.num_recomputed)
@@ -150,7 +150,7 @@ class WorkerSide:
         """Store the KV of new segments, read back from the paged cache (after the forward)."""
         if self.paged is None:
             return
-        self._write_last_rows()
+        self._write_tails()
         if _kv_capture is not None:
             self._capture(meta)
         for load in meta.loads:
@@ -206,34 +206,35 @@ class WorkerSide:
         self, load: LoadRequest, keys: list[torch.Tensor], values: list[torch.Tensor]
     ) -> None:
         assert self.paged is not None
-        end = len(load.token_ids) - 1  # vLLM computes the last prompt token itself
+        end = len(load.token_ids) - VLLM_TAIL  # vLLM computes the last tokens itself
         slots = slot_mapping(load.block_ids, self.block_size, load.first, end)
         for cache, k, v in zip(self.kv_caches, keys, values, strict=True):
             self.paged.write(
                 cache, k[load.first : end], v[load.first : end], slots.to(cache.device)
             )
 
-    def _keep_last_row(
+    def _keep_tail(
         self, load: LoadRequest, keys: list[torch.Tensor], values: list[torch.Tensor]
     ) -> None:
-        """vLLM computes the last prompt token itself, as a batch of one row; on CPU an fp32
-        GEMM of one row rounds differently from the same row inside the prompt's batch, so its
-        KV would differ from a full prefill's in the last bits. The blend computed that token
-        in the prompt's batch: its row goes back into the cache after the forward."""
-        last = len(load.token_ids) - 1
-        slot = slot_mapping(load.block_ids, self.block_size, last, last + 1)
-        rows = [(k[last : last + 1].clone(), v[last : last + 1].clone())
+        """vLLM computes the prompt's last `VLLM_TAIL` tokens itself, as a continuation over the
+        blended KV; its CPU attention rounds a continuation differently from the same rows
+        inside a full prefill (fp32: last bits). The blend computed those rows in the prompt's
+        own batch, as a full prefill does: they go back into the cache after the forward, so
+        the prompt KV that decoding reads is the full prefill's, bit for bit, at ratio 1.0."""
+        first, end = len(load.token_ids) - VLLM_TAIL, len(load.token_ids)
+        slots = slot_mapping(load.block_ids, self.block_size, first, end)
+        rows = [(k[first:end].clone(), v[first:end].clone())
                 for k, v in zip(keys, values, strict=True)]  # fmt: skip
-        self.last_rows[load.req_id] = (slot, rows)
+        self.tails[load.req_id] = (slots, rows)
 
-    def _write_last_rows(self) -> None:
+    def _write_tails(self) -> None:
         assert self.paged is not None
-        rows, self.last_rows = self.last_rows, {}
-        for req_id, (slot, layers) in rows.items():
+        tails, self.tails = self.tails, {}
+        for req_id, (slots, layers) in tails.items():
             if self._failed(req_id):
                 continue
             for cache, (k, v) in zip(self.kv_caches, layers, strict=True):
-                self.paged.write(cache, k, v, slot.to(cache.device))
+                self.paged.write(cache, k, v, slots.to(cache.device))
 
     def _capture(self, meta: KMeshMetadata) -> None:
         assert _kv_capture is not None
