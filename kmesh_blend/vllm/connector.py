@@ -23,6 +23,7 @@ connector refuses to start with it on (``enable_prefix_caching=False`` /
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kmesh_blend.config import KMeshConfig
+from kmesh_blend.segments.fingerprint import weights_fingerprint
 from kmesh_blend.segments.identity import make_namespace
 from kmesh_blend.vllm.meta import KMeshMetadata
 from kmesh_blend.vllm.scheduler_side import SchedulerSide
@@ -156,14 +158,32 @@ def _namespace(vllm_config: VllmConfig) -> Any:
     mc = vllm_config.model_config
     hf = mc.hf_config
     rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    # The weights' fingerprint is part of the identity: new weights at the same path never read
+    # KV the old ones computed (what it catches: kmesh_blend/segments/fingerprint.py).
+    fingerprint = weights_fingerprint(_local_weights(mc))
+    if fingerprint.startswith("unverified:"):
+        log.warning("kmesh: weights of %s not found locally; segments keyed by name only", mc.model)
     return make_namespace(
-        str(mc.model),
+        f"{mc.model}#{fingerprint}",
         mc.dtype,
         num_layers=mc.get_num_layers(vllm_config.parallel_config),
         num_kv_heads=mc.get_total_num_kv_heads(),
         head_dim=mc.get_head_size(),
         rope=dict(rope),
     )
+
+
+def _local_weights(model_config: Any) -> str:
+    """The local directory of the served weights (a hub id resolved in the local HF cache)."""
+    path = str(model_config.model)
+    if Path(path).exists():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(path, revision=model_config.revision, local_files_only=True))
+    except Exception:
+        return path
 
 
 def _shared_store_lookup(config: KMeshConfig, vllm_config: VllmConfig) -> Any:

@@ -77,6 +77,7 @@ class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
     published: list[str] = field(default_factory=list)
     turns: list[str] = field(default_factory=list)  # turn records stored this step
+    disabled: str | None = None  # why reuse cannot run in this engine (unsupported model)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KMeshWorkerMetadata):
@@ -84,4 +85,5 @@ class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
                 self.reports.setdefault(req_id, {}).update(report)
             self.published.extend(other.published)
             self.turns.extend(other.turns)
+            self.disabled = self.disabled or other.disabled
         return self

@@ -41,7 +41,11 @@ class VllmModel:
 
     def __init__(self, model: Any, hf_config: Any, dtype: torch.dtype) -> None:
         self.model = model
-        inner = model.model
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "layers"):
+            raise ValueError(f"{type(model).__name__} has no decoder under .model.layers")
+        if hasattr(inner, "normalizer"):  # e.g. Gemma scales embeddings inside its forward
+            raise ValueError(f"{type(inner).__name__} rescales its embeddings in its forward")
         start, end = getattr(inner, "start_layer", 0), getattr(inner, "end_layer", None)
         self.layers = list(inner.layers)[start:end]
         if start != 0 or len(self.layers) != len(inner.layers):

@@ -69,6 +69,9 @@ class SchedulerSide:
         self.config, self.namespace, self.max_model_len = config, namespace, max_model_len
         self.contains = contains
         self.published: set[str] = set()
+        # Set from the worker's first output when the blend cannot run on the loaded model:
+        # then every annotated request is served stock, its report naming this reason.
+        self.disabled: str | None = None
         self.plans: dict[str, _Plan] = {}
         self._saving: set[str] = set()  # segments a save is already scheduled for
         # Turn records: id → (prompt length, segment uses), and prompt lengths by their head.
@@ -101,6 +104,11 @@ class SchedulerSide:
                 log.warning(
                     "kmesh: request %s runs without reuse: %s", request.request_id, parsed.fallback
                 )
+            return 0
+        if self.disabled is not None:
+            plan = _Plan(tokens, [])
+            plan.report["fallback"] = self.disabled
+            self.plans[request.request_id] = plan
             return 0
         spans = parsed.annotation.spans
         namespace = self.namespace
@@ -174,6 +182,8 @@ class SchedulerSide:
     def on_worker_output(self, worker_meta: Any) -> None:
         if not isinstance(worker_meta, KMeshWorkerMetadata):
             return
+        if worker_meta.disabled is not None:
+            self.disabled = worker_meta.disabled
         self.published.update(worker_meta.published)
         self._saving.difference_update(worker_meta.published)
         for record in worker_meta.turns:
@@ -193,6 +203,8 @@ class SchedulerSide:
         plan = self.plans.pop(request.request_id, None)
         if plan is None:
             return None
+        if self.disabled is not None and plan.report["fallback"] is None:
+            plan.report["fallback"] = self.disabled  # it ran before the worker's word arrived
         self._recent[request.request_id] = plan.report
         return {"kmesh": plan.report}
 

@@ -173,7 +173,8 @@ class WorkerSide:
 
     def take_output(self) -> KMeshWorkerMetadata | None:
         out, self.out = self.out, KMeshWorkerMetadata()
-        return out if (out.reports or out.published) else None
+        out.disabled = self.unsupported
+        return out if (out.reports or out.published or out.disabled) else None
 
     def close(self) -> None:
         self.store.close()
