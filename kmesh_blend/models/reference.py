@@ -29,8 +29,8 @@ __all__ = ["LinearFactory", "ReferenceModel", "rotate_pair", "sdpa_attend", "tor
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
-# (weight [N, K], bias [N] or None) → x [M, K] ↦ [M, N] in the model dtype. The vLLM worker passes
-# vLLM's own CPU GEMM (`kmesh_blend.vllm.linear`); everything else uses `torch_linear`.
+# (weight [N, K], bias [N] or None) → x [M, K] ↦ [M, N] in the model dtype. Only tests and
+# benchmarks run the reference model (vLLM serves on its own modules): `torch_linear` by default.
 LinearFactory = Callable[
     [torch.Tensor, "torch.Tensor | None"], Callable[[torch.Tensor], torch.Tensor]
 ]
