@@ -222,6 +222,7 @@ class RequestBlend:
             score += token_deviation(k, stored_k[self.computed], backend)
         if kind in ("v", "kv"):
             score += token_deviation(v, stored_v[self.computed], backend)
+        score = self.model.combine_scores(score)
         keep = self.always[self.computed].clone()
         for candidates, count in self.checks[layer]:
             rows = candidates[self.computed].nonzero().squeeze(1)

@@ -100,6 +100,12 @@ class LayerwiseModel(Protocol):
         """Final norm + LM head: hidden [T, E] → logits [T, vocab] in fp32."""
         ...
 
+    def combine_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Per-token deviation scores [n] fp32 over this model's KV heads → scores over all of
+        the model's heads. A sharded model (tensor parallelism) sums its ranks' scores, so every
+        rank selects the same tokens; an unsharded one returns ``scores``."""
+        ...
+
 
 class PrefillResult(NamedTuple):
     """KV of every layer and the scores of a full prefill.

@@ -158,6 +158,10 @@ class ReferenceModel:
         x = self._rms_norm(hidden, self.w["model.norm.weight"])
         return F.linear(x, self.w["lm_head.weight"]).float()
 
+    def combine_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """All heads are here: [n] unchanged."""
+        return scores
+
     # --- helpers --------------------------------------------------------------------------------
 
     def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:

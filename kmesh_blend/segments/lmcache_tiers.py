@@ -37,15 +37,19 @@ _CHUNK = 256  # LMCacheMetadata wants a chunk size; we never chunk, objects are 
 _IO_TIMEOUT_S = 30.0
 
 
-def make_key(prefix: str, segment_hex: str, dtype: torch.dtype) -> Any:
-    """LMCache ``CacheEngineKey`` for one object: ``prefix@1@0@<segment hex>@<dtype>``.
+def make_key(
+    prefix: str, segment_hex: str, dtype: torch.dtype, rank: int = 0, world_size: int = 1
+) -> Any:
+    """LMCache ``CacheEngineKey`` for one object: ``prefix@<world>@<rank>@<segment hex>@<dtype>``.
 
     The namespace (model, dtype, layout, RoPE, salt) is already inside the segment id, so the
     key's model name is a short fixed prefix (LMCache's wire protocol caps keys at 150 chars).
+    ``rank`` / ``world_size``: the tensor-parallel shard the object holds (each rank stores its
+    own heads; an engine with another parallel layout never reads them as its own).
     """
     from lmcache.utils import CacheEngineKey
 
-    return CacheEngineKey(prefix, 1, 0, int(segment_hex, 16), dtype)
+    return CacheEngineKey(prefix, world_size, rank, int(segment_hex, 16), dtype)
 
 
 class LMCacheTier:

@@ -43,6 +43,10 @@ class MasterLayout:
     head_dim: int
     dtype: str = "bfloat16"
     """A ``torch`` dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
+    rank: int = 0
+    """Tensor-parallel rank whose KV heads these masters hold (``num_kv_heads`` are its own)."""
+    world_size: int = 1
+    """Tensor-parallel size of the engine that stores them."""
 
     def torch_dtype(self) -> torch.dtype:
         import torch

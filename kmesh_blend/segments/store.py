@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -65,6 +65,9 @@ class LMCacheMasterStore:
         self._lock = threading.Lock()
         self.num_corrupt = 0
 
+    def _key(self, prefix: str, object_id: str, dtype: torch.dtype) -> Any:
+        return make_key(prefix, object_id, dtype, self.layout.rank, self.layout.world_size)
+
     def put(self, segment_id: SegmentId, kv: torch.Tensor, positions: torch.Tensor) -> bool:
         master = Master(kv, positions)
         master.check(self.layout)
@@ -83,9 +86,9 @@ class LMCacheMasterStore:
                 # [L, 2, T, Hkv, D] -> LMCache's KV_2LTD [2, L, T, Hkv*D] (one strided copy)
                 kv_obj.tensor.copy_(kv.permute(1, 0, 2, 3, 4).reshape(2, L, T, H * D))
                 meta_obj.tensor.view(-1).copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-                self._backend.put(make_key(_KV_PREFIX, segment_id, self._dtype), kv_obj)
+                self._backend.put(self._key(_KV_PREFIX, segment_id, self._dtype), kv_obj)
                 # metadata last: it marks the master complete
-                self._backend.put(make_key(_META_PREFIX, segment_id, torch.uint8), meta_obj)
+                self._backend.put(self._key(_META_PREFIX, segment_id, torch.uint8), meta_obj)
                 return True
             except Exception as exc:  # the tier is unreachable or refused: no reuse, no crash
                 log.warning("kmesh store %s: put failed: %s", self.tier, exc)
@@ -106,7 +109,7 @@ class LMCacheMasterStore:
     def contains(self, segment_id: SegmentId) -> bool:
         """Whether the metadata object exists (a cheap check; `get` still verifies)."""
         with self._lock:
-            obj = self._backend.get(make_key(_META_PREFIX, segment_id, torch.uint8))
+            obj = self._backend.get(self._key(_META_PREFIX, segment_id, torch.uint8))
             if obj is None:
                 return False
             obj.ref_count_down()
@@ -115,8 +118,8 @@ class LMCacheMasterStore:
     def delete(self, segment_id: SegmentId) -> bool:
         with self._lock:
             try:
-                gone = self._backend.remove(make_key(_META_PREFIX, segment_id, torch.uint8))
-                self._backend.remove(make_key(_KV_PREFIX, segment_id, self._dtype))
+                gone = self._backend.remove(self._key(_META_PREFIX, segment_id, torch.uint8))
+                self._backend.remove(self._key(_KV_PREFIX, segment_id, self._dtype))
                 return gone
             except Exception as exc:
                 log.warning("kmesh store %s: delete failed: %s", self.tier, exc)
@@ -139,7 +142,7 @@ class LMCacheMasterStore:
                     log.warning("kmesh store %s: no room for %d bytes", self.tier, len(blob))
                     return False
                 obj.tensor.view(-1).copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-                self._backend.put(make_key(_BLOB_PREFIX, object_id, torch.uint8), obj)
+                self._backend.put(self._key(_BLOB_PREFIX, object_id, torch.uint8), obj)
                 return True
             except Exception as exc:
                 log.warning("kmesh store %s: put_blob failed: %s", self.tier, exc)
@@ -152,7 +155,7 @@ class LMCacheMasterStore:
         """The bytes stored by `put_blob`, or None (absent, or the tier failed)."""
         with self._lock:
             try:
-                obj = self._backend.get(make_key(_BLOB_PREFIX, object_id, torch.uint8))
+                obj = self._backend.get(self._key(_BLOB_PREFIX, object_id, torch.uint8))
                 if obj is None:
                     return None
                 try:
@@ -166,7 +169,7 @@ class LMCacheMasterStore:
     def delete_blob(self, object_id: SegmentId) -> bool:
         with self._lock:
             try:
-                return self._backend.remove(make_key(_BLOB_PREFIX, object_id, torch.uint8))
+                return self._backend.remove(self._key(_BLOB_PREFIX, object_id, torch.uint8))
             except Exception as exc:
                 log.warning("kmesh store %s: delete_blob failed: %s", self.tier, exc)
                 return False
@@ -174,14 +177,14 @@ class LMCacheMasterStore:
     # -- helpers -------------------------------------------------------------------------------
 
     def _get_locked(self, segment_id: SegmentId) -> Master | None:
-        meta_obj = self._backend.get(make_key(_META_PREFIX, segment_id, torch.uint8))
+        meta_obj = self._backend.get(self._key(_META_PREFIX, segment_id, torch.uint8))
         if meta_obj is None:
             return None
         try:
             meta = MasterMeta.decode(bytes(meta_obj.tensor.reshape(-1).numpy().tobytes()))
         finally:
             meta_obj.ref_count_down()
-        kv_obj = self._backend.get(make_key(_KV_PREFIX, segment_id, self._dtype))
+        kv_obj = self._backend.get(self._key(_KV_PREFIX, segment_id, self._dtype))
         if kv_obj is None:
             return None
         try:

@@ -89,6 +89,7 @@ class KMeshConnector(KVConnectorBase_V1):
                 model_config.dtype,
                 vllm_config.cache_config.block_size,
                 vllm_config.compilation_config.static_forward_context,
+                _tp_shard(vllm_config),
             )
         log.info("kmesh: %s side ready (%s)", role.name.lower(), self.config)
 
@@ -173,6 +174,16 @@ def _namespace(vllm_config: VllmConfig) -> Any:
     )
 
 
+def _tp_shard(vllm_config: VllmConfig) -> tuple[int, int]:
+    """(rank, world size) of this worker in tensor parallelism."""
+    world = vllm_config.parallel_config.tensor_parallel_size
+    if world == 1:
+        return 0, 1
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), world
+
+
 def _local_weights(model_config: Any) -> str:
     """The local directory of the served weights (a hub id resolved in the local HF cache)."""
     path = str(model_config.model)
@@ -194,11 +205,16 @@ def _shared_store_lookup(config: KMeshConfig, vllm_config: VllmConfig) -> Any:
     from kmesh_blend.segments.store import open_store
 
     mc = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    # Rank 0's shard stands for the segment: a rank whose shard is missing fails its load and
+    # the request recomputes.
     layout = MasterLayout(
-        mc.get_num_layers(vllm_config.parallel_config),
-        mc.get_total_num_kv_heads(),
+        mc.get_num_layers(parallel),
+        mc.get_num_kv_heads(parallel),
         mc.get_head_size(),
         str(mc.dtype).removeprefix("torch."),
+        rank=0,
+        world_size=parallel.tensor_parallel_size,
     )
     store = open_store(config.store_spec, layout, cpu_bytes=64 << 20)
     return store.contains

@@ -71,6 +71,7 @@ class VllmModel:
             dtype=dtype,
         )
         self.scale = float(getattr(attn, "scaling", head_dim**-0.5))
+        self.world_size = _tp_world_size()
         config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
         self.rope = RotaryEmbedding(RopeConfig.from_hf_config(config, head_dim))
 
@@ -127,6 +128,14 @@ class VllmModel:
         x, _ = self.inner.norm(hidden[:, 0].contiguous(), hidden[:, 1].contiguous())
         return self.model.compute_logits(x).float()
 
+    def combine_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """[n] fp32 summed over the tensor-parallel ranks (each holds some KV heads)."""
+        if self.world_size == 1:
+            return scores
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce(scores.contiguous())
+
     # --- helpers --------------------------------------------------------------------------------
 
     def _input_norm(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +146,15 @@ class VllmModel:
             residual = hidden[:, 0].contiguous()
             return norm(residual.clone()), residual
         return norm(hidden[:, 0].contiguous(), hidden[:, 1].contiguous())
+
+
+def _tp_world_size() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return int(get_tensor_model_parallel_world_size())
+    except Exception:  # no parallel state (a model built outside an engine): one shard
+        return 1
 
 
 @torch.no_grad()

@@ -57,16 +57,20 @@ def set_kv_capture(fn: Callable[[str, torch.Tensor], None] | None) -> None:
 
 class WorkerSide:
     """``model``: the ``nn.Module`` vLLM loaded (None when it could not be reached);
-    ``hf_config``: its Hugging Face config."""
+    ``hf_config``: its Hugging Face config; ``shard``: (tensor-parallel rank, size)."""
 
     def __init__(self, config: KMeshConfig, model: Any, hf_config: Any, dtype: torch.dtype,
-                 block_size: int, static_forward_context: dict[str, Any]) -> None:  # fmt: skip
+                 block_size: int, static_forward_context: dict[str, Any],
+                 shard: tuple[int, int] = (0, 1)) -> None:  # fmt: skip
         self.config, self.block_size = config, block_size
         self.model, self.unsupported = _adapt(model, hf_config, dtype)
         config.validate_for_model(self.model.shape.num_layers)
         shape = self.model.shape
         dtype_name = str(dtype).removeprefix("torch.")
-        self.layout = MasterLayout(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype_name)
+        rank, world = shard  # under tensor parallelism each rank stores masters of its own heads
+        self.layout = MasterLayout(
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype_name, rank, world
+        )
         self.store = open_store(config.store_spec, self.layout, cpu_bytes=config.store_cpu_bytes)
         self.cache = SegmentCache(
             self.store,
@@ -110,11 +114,13 @@ class WorkerSide:
         """Blend and write every load request of this step (before the forward)."""
         ready: list[tuple[LoadRequest, BlendRequest]] = []
         masters: dict[str, Any] = {}
+        blends = []
         for load in meta.loads:
             if load.turn is not None:  # a continuing request: its earlier prompt, restored
                 self._restore_turn(load)
                 continue
-            reason = self._prepare(load, masters)
+            blends.append((load, self._prepare(load, masters)))
+        for load, reason in self._agree(blends):
             if reason is None:
                 uses = tuple(SegmentUse(r.start, r.end, r.segment_id) for r in load.segments)
                 ready.append((load, BlendRequest(torch.tensor(load.token_ids), uses)))
@@ -213,6 +219,23 @@ class WorkerSide:
             self.paged.write(
                 cache, k[load.first : end], v[load.first : end], slots.to(cache.device)
             )
+
+    def _agree(
+        self, blends: list[tuple[LoadRequest, str | None]]
+    ) -> list[tuple[LoadRequest, str | None]]:
+        """Under tensor parallelism every rank must blend the same requests (the blend's
+        projections all-reduce across ranks): a request that failed on any rank fails on all."""
+        world = getattr(self.model, "world_size", 1)
+        if world == 1 or not blends:
+            return blends
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        failed = torch.tensor([float(reason is not None) for _, reason in blends])
+        failed = tensor_model_parallel_all_reduce(failed)
+        return [
+            (load, reason or ("failed on another tensor-parallel rank" if bad > 0 else None))
+            for (load, reason), bad in zip(blends, failed.tolist(), strict=True)
+        ]
 
     def _keep_tail(
         self, load: LoadRequest, keys: list[torch.Tensor], values: list[torch.Tensor]
