@@ -3,8 +3,9 @@
 Against a reference run (store ``cpu``, schedule ``layer_sync``), every other run of the same
 model and dtype must give every follow-up the same generated tokens, the same log-probability
 bits and the same prompt KV in every layer, read back from vLLM's paged cache. `make test` runs
-the CI subset (tiny Llama, fp32; cpu and lm:// stores; both schedules; the failure case);
-`make bitexact` runs models × dtypes × stores (cpu, lm://, redis://, disk://) × schedules and
+the CI subset (tiny Llama, fp32; cpu and lm:// stores; both schedules; the failure case; the
+real SmolLM2 has its own CI checks in tests/vllm/test_own_model.py); `make bitexact` runs models
+(the tiny ones and SmolLM2) × dtypes × stores (cpu, lm://, redis://, disk://) × schedules and
 prints the summary table.
 """
 
@@ -30,7 +31,7 @@ from tests.bitexact.vllm_matrix import (
 pytestmark = pytest.mark.vllm
 
 MODEL_DTYPES = (
-    list(itertools.product(["llama", "qwen2", "qwen3"], ["fp32", "bf16"]))
+    list(itertools.product(["llama", "qwen2", "qwen3", "smollm2"], ["fp32", "bf16"]))
     if FULL
     else [("llama", "fp32")]
 )

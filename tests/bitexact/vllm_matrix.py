@@ -16,11 +16,23 @@ from typing import Any
 
 import torch
 
-from kmesh_blend.testing import TINY_LLAMA, TINY_QWEN2, TINY_QWEN3, build_checkpoint
+from kmesh_blend.testing import (
+    TINY_LLAMA,
+    TINY_QWEN2,
+    TINY_QWEN3,
+    build_checkpoint,
+    smollm2_checkpoint,
+)
 from kmesh_blend.testing.engine import make_llm
 from kmesh_blend.vllm.worker_side import set_fault_injector, set_kv_capture
 
-MODELS = {"llama": TINY_LLAMA, "qwen2": TINY_QWEN2, "qwen3": TINY_QWEN3}
+# name → (checkpoint directory, vocabulary size); SmolLM2 is the real pretrained model.
+MODELS: dict[str, tuple[Any, int]] = {
+    "llama": (lambda: build_checkpoint(TINY_LLAMA), TINY_LLAMA.vocab_size),
+    "qwen2": (lambda: build_checkpoint(TINY_QWEN2), TINY_QWEN2.vocab_size),
+    "qwen3": (lambda: build_checkpoint(TINY_QWEN3), TINY_QWEN3.vocab_size),
+    "smollm2": (smollm2_checkpoint, 49152),
+}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 LAYOUTS = ("leading", "middle", "reordered", "repeated", "several")
 GROUPS = (1, 4, 8)
@@ -82,10 +94,10 @@ def run_engine(
     """
     from vllm import SamplingParams
 
-    spec = MODELS[model]
+    checkpoint, vocab = MODELS[model]
     extra = {"kmesh.store": store, "kmesh.schedule": schedule, "kmesh.recompute_ratio": 0.15}
     llm = make_llm(
-        build_checkpoint(spec),
+        checkpoint(),
         dtype=DTYPES[dtype],
         enable_prefix_caching=False,
         max_model_len=512,
@@ -99,7 +111,7 @@ def run_engine(
     captured: dict[str, torch.Tensor] = {}
     # vLLM's engine ids are the caller's id + "-" + 8 random characters.
     set_kv_capture(lambda req_id, kv: captured.__setitem__(req_id.rsplit("-", 1)[0], kv.clone()))
-    plan = follow_ups(spec.vocab_size)
+    plan = follow_ups(vocab)
     targets = {tuple(ids) for key, ids, _ in plan if key == fail}
     set_fault_injector(lambda load: "injected" if tuple(load.token_ids) in targets else None)
 
