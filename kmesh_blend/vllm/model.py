@@ -72,6 +72,8 @@ class VllmModel:
         )
         self.scale = float(getattr(attn, "scaling", head_dim**-0.5))
         self.world_size = _tp_world_size()
+        # Where the engine keeps the model: token ids and positions go there (CPU or CUDA).
+        self.device = next(iter(model.parameters())).device
         config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
         self.rope = RotaryEmbedding(RopeConfig.from_hf_config(config, head_dim))
 
@@ -80,7 +82,7 @@ class VllmModel:
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] int64 → state [T, 2, E] (residual half unused until layer 0 ends)."""
         embed = getattr(self.inner, "embed_input_ids", None) or self.inner.get_input_embeddings
-        hidden = embed(token_ids)
+        hidden = embed(token_ids.to(self.device))
         return torch.stack([hidden, hidden], dim=1)
 
     def project_qkv(self, layer: int, hidden: torch.Tensor) -> QKV:
@@ -102,7 +104,7 @@ class VllmModel:
         """The layer's own rotary embedding (vLLM's kernel; it may rotate in place)."""
         n = q.shape[0]
         q2, k2 = self.layers[layer].self_attn.rotary_emb(
-            positions, q.reshape(n, -1), k.reshape(n, -1)
+            positions.to(self.device), q.reshape(n, -1), k.reshape(n, -1)
         )
         d = self.shape.head_dim
         return q2.view(n, -1, d), k2.view(n, -1, d)
@@ -166,8 +168,8 @@ def check_decomposition(adapter: VllmModel, num_tokens: int = 12) -> str | None:
     duration of the call and restored after it)."""
     gen = torch.Generator().manual_seed(0)
     vocab = min(adapter.shape.vocab_size, 1000)
-    ids = torch.randint(1, vocab, (num_tokens,), generator=gen)
-    positions = torch.arange(num_tokens)
+    ids = torch.randint(1, vocab, (num_tokens,), generator=gen).to(adapter.device)
+    positions = torch.arange(num_tokens, device=adapter.device)
     mask = causal_mask(positions, positions)
     shape = adapter.shape
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
