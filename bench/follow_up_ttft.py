@@ -10,6 +10,15 @@ The engines run in this process one after another (vLLM's KV connector is proces
 KMesh, stock again; each is warmed up first; requests go one at a time. TTFT = wall time of a
 1-token generate.
 
+``--model smollm2``: the same measurement on the real SmolLM2-135M-Instruct (bf16) with real text:
+D = Python's own Language Reference text (`kmesh_blend.testing.text.reference_text`: the demo's
+sections exceptions, raise, assert, then try) cut to 2,048 SmolLM2 tokens; every follow-up is a
+ChatML chat prompt built with the model's chat template: a system prompt and a preamble of its
+own before D, a question after it. The prompt is tokenized in pieces (template text before D, D's
+tokens, template text after D), so D's tokens are the same in every prompt; the script asserts
+that, and that the pieces decode to the templated text. Result name ``follow_up_ttft_smollm2``
+(the bench model's stays ``follow_up_ttft``).
+
 value = median KMesh follow-up TTFT / median stock follow-up TTFT (goal ≤ 0.25).
 config.unannotated_overhead = median KMesh-engine TTFT of unannotated prompts / stock − 1
 (goal ≤ 3%; the KMesh engine runs with prefix caching off, which it requires).
@@ -19,7 +28,7 @@ interleaved on the KMesh engine (the stock path there): a cross-check free of en
 Both engines run under tcmalloc by default, the allocator vLLM's CPU guide requires for
 performance (``--allocator system`` for glibc's malloc; config.allocator says which ran).
 
-Run: python bench/follow_up_ttft.py [--quick] [--allocator tcmalloc|system]
+Run: python bench/follow_up_ttft.py [--quick] [--model bench|smollm2] [--allocator tcmalloc|system]
 """
 
 from __future__ import annotations
@@ -30,8 +39,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -41,15 +51,191 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, plot_bars, progress, use_allocator
 
-from kmesh_blend.testing import BENCH_LLAMA, build_checkpoint
+from kmesh_blend.testing import BENCH_LLAMA, SMOLLM2, build_checkpoint, smollm2_checkpoint
 from kmesh_blend.testing.engine import make_llm
+from kmesh_blend.testing.text import DEMO_TOPICS, reference_text
 
 RATIO = 0.15
+DOCUMENT_TOPICS = (*DEMO_TOPICS, "try")  # ≈ 3,450 SmolLM2 tokens: enough for a 2,048 cut
+
+Prompt = tuple[list[int], list[list[int]]]
+"""A follow-up: token ids ``[T]`` and the shared document's half-open span ``[[start, end]]``."""
+
+
+class Workload(NamedTuple):
+    """What one run of the benchmark serves."""
+
+    name: str  # result name: bench/results/<name>.json and .png
+    model: str  # model name in the result
+    label: str  # model in the plot title
+    path: Path  # checkpoint directory
+    doc_len: int  # tokens of the shared document
+    rounds: list[tuple[Prompt, list[int]]]  # per round: annotated follow-up, unannotated one
+    reader: Prompt  # the first reader: publishes the document's master
+    warmup: Callable[[], list[int]]  # a fresh prompt for each unmeasured warm-up request
+    tokens: int  # follow-up length (median over the annotated follow-ups)
+    details: dict[str, Any]  # workload facts for the result's config
+
+
+def bench_workload(doc_len: int, rounds: int) -> Workload:
+    """Random tokens on the bench model: 64 private tokens + the document + 32 question tokens
+    (seeded: the same prompts every run)."""
+    path = build_checkpoint(BENCH_LLAMA)
+    gen = torch.Generator().manual_seed(0)
+    vocab = BENCH_LLAMA.vocab_size
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+    doc = tokens(doc_len)
+
+    def follow_up() -> Prompt:
+        private, question = tokens(64), tokens(32)
+        return private + doc + question, [[64, 64 + doc_len]]
+
+    rounds_ids = [(follow_up(), follow_up()[0]) for _ in range(rounds)]
+    reader = follow_up()
+    return Workload(
+        "follow_up_ttft", BENCH_LLAMA.name, "bench model", path, doc_len, rounds_ids, reader,
+        lambda: tokens(doc_len + 96), doc_len + 96, {},
+    )  # fmt: skip
+
+
+# Chat follow-ups on SmolLM2: each its own system prompt (first words differ, so stock vLLM's
+# prefix cache shares no block between two prompts), its own preamble and its own question.
+SYSTEM_PROMPTS = [
+    "You are a patient Python tutor who explains language rules with short examples.",
+    "Act as a senior code reviewer; answer tersely and cite the relevant rule.",
+    "As a technical writer, you answer in clear, plain English for beginners.",
+    "Answer as an exam grader would: be precise and mention any edge cases.",
+    "Be a helpful assistant for a team that is migrating a large codebase to Python 3.",
+    "Imagine you are teaching an evening class on programming languages.",
+    "Respond like a documentation maintainer who values accuracy above all.",
+    "Your role: support engineer at a company that runs Python training courses.",
+    "Playing the part of a compiler engineer, you explain semantics carefully.",
+    "Keep your answers short; you are a chat assistant inside a code editor.",
+    "Think like a language lawyer and quote the reference where it helps.",
+    "Speak as a friendly mentor who is helping a junior developer.",
+    "Work as an interview coach who prepares candidates for Python questions.",
+    "Consider yourself a reference librarian for programming manuals.",
+    "Pretend you are a static-analysis tool that explains its findings in prose.",
+    "Serve as a teaching assistant who grades homework on Python statements.",
+    "Help users of a notebook service understand the Python documentation.",
+]
+PREAMBLES = [
+    "Here is an excerpt from the Python language reference. Please read it carefully, because "
+    "my question depends on the exact wording.",
+    "I copied the following section of the Python documentation for our discussion; it is "
+    "long, but the details matter for what I want to ask.",
+    "Below is some documentation a colleague sent me. I need help understanding it before "
+    "our code review tomorrow morning.",
+    "Use only the text below when you answer, and say so if the text does not cover my "
+    "question at all.",
+    "The following pages come from the official Python reference manual, as shipped with the "
+    "interpreter I am using.",
+    "Please study this reference material before answering my question; I will paste my "
+    "question right after it.",
+    "Context for my question, taken word for word from the Python documentation that ships "
+    "with the standard library:",
+]
+QUESTIONS = [
+    "What does the assert statement do when Python runs with optimization turned on?",
+    "In two sentences, how does raise ... from ... differ from a plain raise?",
+    "Which statements does this excerpt describe? List them briefly.",
+    "What happens to an exception that no handler catches?",
+    "What is the simple form of the assert statement equivalent to?",
+    "Can a bare raise statement be used outside an except clause? Explain.",
+    "Summarize the excerpt for a beginner in three bullet points.",
+    "How does the text say exceptions are identified by class instances?",
+]
+
+
+def smollm2_prompts(doc_len: int, count: int) -> tuple[Path, list[Prompt], dict[str, Any]]:
+    """SmolLM2 checkpoint, ``count`` chat follow-ups sharing one real-text document of
+    ``doc_len`` tokens (the first is meant as its first reader), and the workload's facts.
+
+    Each prompt is the model's chat template over a system prompt and a user message
+    ``preamble + "\n\n" + document + "\n\n" + question`` (with the assistant turn opened). The
+    template is rendered with a placeholder where the document goes; the text before and after it
+    is tokenized on its own and the document's tokens are put in between, so the document is the
+    same ``doc_len`` tokens at ``[start, start + doc_len)`` in every prompt.
+    """
+    from transformers import AutoTokenizer
+
+    if count > len(SYSTEM_PROMPTS):
+        raise ValueError(f"at most {len(SYSTEM_PROMPTS)} distinct follow-ups, asked for {count}")
+    path = smollm2_checkpoint()
+    tok = AutoTokenizer.from_pretrained(path)
+
+    def encode(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def decode(ids: list[int]) -> str:
+        return str(tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+    doc = encode(reference_text(DOCUMENT_TOPICS))[:doc_len]
+    if len(doc) < doc_len:
+        raise ValueError(f"the reference text {DOCUMENT_TOPICS} has fewer than {doc_len} tokens")
+    doc_text = decode(doc)
+    placeholder = "\x00DOCUMENT\x00"
+    prompts: list[Prompt] = []
+    for i in range(count):
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPTS[i]},
+            {
+                "role": "user",
+                "content": f"{PREAMBLES[i % len(PREAMBLES)]}\n\n{placeholder}\n\n"
+                f"{QUESTIONS[(3 * i) % len(QUESTIONS)]}",
+            },
+        ]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        before, after = text.split(placeholder)  # exactly one placeholder
+        head, tail = encode(before), encode(after)
+        ids, start = head + doc + tail, len(head)
+        assert ids[start : start + doc_len] == doc, "the document's tokens differ in a prompt"
+        assert decode(ids) == before + doc_text + after, "the pieces do not spell the prompt"
+        prompts.append((ids, [[start, start + doc_len]]))
+    details = {
+        "document_source": f"kmesh_blend.testing.text.reference_text({DOCUMENT_TOPICS}) "
+        f"(pydoc_data.topics of Python {sys.version.split()[0]}), cut at {doc_len} SmolLM2 "
+        "tokens",
+        "chat_template": "the model's (ChatML): system prompt, user = preamble + document + "
+        "question, assistant turn opened",
+        "tokens_before_document": [spans[0][0] for _, spans in prompts],
+        "tokens_after_document": [len(ids) - spans[0][1] for ids, spans in prompts],
+    }
+    return path, prompts, details
+
+
+def smollm2_workload(doc_len: int, rounds: int) -> Workload:
+    """Chat follow-ups on SmolLM2 (`smollm2_prompts`): the first reader, then per round one
+    annotated follow-up and one unannotated, all distinct."""
+    path, prompts, details = smollm2_prompts(doc_len, 2 * rounds + 1)
+    reader, rest = prompts[0], prompts[1:]
+    rounds_ids = [(rest[2 * r], rest[2 * r + 1][0]) for r in range(rounds)]
+    lengths = [len(ids) for (ids, _), _ in rounds_ids]
+    gen = torch.Generator().manual_seed(0)
+    warm_len = int(statistics.median(lengths))
+
+    def warmup() -> list[int]:  # random tokens (ids ≥ 3: no ChatML special tokens)
+        return torch.randint(3, 49152, (warm_len,), generator=gen).tolist()
+
+    return Workload(
+        "follow_up_ttft_smollm2", SMOLLM2, SMOLLM2, path, doc_len, rounds_ids, reader, warmup,
+        warm_len, {**details, "follow_up_tokens": lengths},
+    )  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--model",
+        default="bench",
+        choices=["bench", "smollm2"],
+        help="bench: the random-weight bench model on random tokens (default); smollm2: "
+        "SmolLM2-135M-Instruct on chat prompts around real text",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
         "--allocator",
@@ -63,18 +249,8 @@ def main() -> None:
     rounds = 2 if args.quick else 6
     from vllm import SamplingParams
 
-    path = build_checkpoint(BENCH_LLAMA)
-    gen = torch.Generator().manual_seed(0)
-    vocab = BENCH_LLAMA.vocab_size
-
-    def tokens(n: int) -> list[int]:
-        return torch.randint(3, vocab, (n,), generator=gen).tolist()
-
-    doc = tokens(doc_len)
-
-    def follow_up() -> tuple[list[int], list[list[int]]]:
-        private, question = tokens(64), tokens(32)
-        return private + doc + question, [[64, 64 + doc_len]]
+    make_workload = bench_workload if args.model == "bench" else smollm2_workload
+    work = make_workload(doc_len, rounds)
 
     def ttft(llm: Any, ids: list[int], spans: list[list[int]] | None) -> tuple[float, Any]:
         extra = {"kv_transfer_params": {"kmesh": {"segments": spans}}} if spans else None
@@ -84,15 +260,13 @@ def main() -> None:
         return time.perf_counter() - t0, out
 
     common = {"max_model_len": 4096, "max_num_batched_tokens": 4096, "dtype": args.dtype}
-    rounds_ids = [(follow_up(), follow_up()[0]) for _ in range(rounds)]
-    reader_ids, reader_spans = follow_up()
     times: dict[str, list[float]] = {"stock": [], "kmesh": [], "stock_plain": [], "kmesh_plain": []}
 
     def run_stock() -> None:
-        stock = make_llm(path, **common)
+        stock = make_llm(work.path, **common)
         for _ in range(3):  # warm-up, unmeasured
-            ttft(stock, tokens(doc_len + 96), None)
-        for (ids, _), plain in progress(rounds_ids, "stock rounds"):
+            ttft(stock, work.warmup(), None)
+        for (ids, _), plain in progress(work.rounds, "stock rounds"):
             times["stock"].append(ttft(stock, ids, None)[0])
             times["stock_plain"].append(ttft(stock, plain, None)[0])
         del stock
@@ -104,7 +278,7 @@ def main() -> None:
 
     # Phase 2: the same engine settings with KMesh (prefix caching off, as it requires).
     kmesh = make_llm(
-        path,
+        work.path,
         enable_prefix_caching=False,
         kv_transfer_config={
             "kv_connector": "KMeshConnector",
@@ -115,10 +289,10 @@ def main() -> None:
         **common,
     )
     for _ in range(3):  # warm-up, unmeasured
-        ttft(kmesh, tokens(doc_len + 96), None)
-    _, reader = ttft(kmesh, reader_ids, reader_spans)  # publishes the document's master
+        ttft(kmesh, work.warmup(), None)
+    _, reader = ttft(kmesh, *work.reader)  # publishes the document's master
     reports = []
-    for (ids, spans), plain in progress(rounds_ids, "kmesh rounds"):
+    for (ids, spans), plain in progress(work.rounds, "kmesh rounds"):
         t, out = ttft(kmesh, ids, spans)
         times["kmesh"].append(t)
         reports.append(out.kv_transfer_params["kmesh"])
@@ -133,7 +307,7 @@ def main() -> None:
     value = med["kmesh"] / med["stock"]
     same_engine = med["kmesh"] / med["kmesh_plain"]
     overhead = med["kmesh_plain"] / med["stock_plain"] - 1.0
-    print(f"follow-up of {doc_len + 96} tokens, {rounds} rounds (medians):")
+    print(f"follow-up of {work.tokens} tokens, {rounds} rounds (medians):")
     print(f"  stock vLLM (prefix caching on): {med['stock']:.3f} s")
     print(f"  KMesh reuse at ratio {RATIO}:     {med['kmesh']:.3f} s  = {value:.3f}x of stock")
     print(f"  vs unannotated requests on the same engine (interleaved): {same_engine:.3f}x")
@@ -141,14 +315,14 @@ def main() -> None:
     print(f"  unannotated: stock {med['stock_plain']:.3f} s, KMesh engine "
           f"{med['kmesh_plain']:.3f} s ({overhead:+.1%})")  # fmt: skip
     plot_bars(
-        "follow_up_ttft",
+        work.name,
         ["stock", "kmesh", "stock unannotated", "kmesh unannotated"],
         [med["stock"], med["kmesh"], med["stock_plain"], med["kmesh_plain"]],
-        f"follow-up TTFT, {doc_len}-token shared document, bench model, vLLM CPU",
+        f"follow-up TTFT, {doc_len}-token shared document, {work.label}, vLLM CPU",
     )
     emit(
         {
-            "name": "follow_up_ttft",
+            "name": work.name,
             "metric": "KMesh follow-up TTFT / stock vLLM follow-up TTFT",
             "value": round(value, 4),
             "unit": "x",
@@ -156,11 +330,11 @@ def main() -> None:
             "baseline": "stock vLLM with prefix caching, same process, same prompts",
             "quick": args.quick,
             "config": {
-                "model": BENCH_LLAMA.name,
+                "model": work.model,
                 "dtype": args.dtype,
                 "allocator": allocator,
                 "document": doc_len,
-                "tokens": doc_len + 96,
+                "tokens": work.tokens,
                 "recompute_ratio": RATIO,
                 "seconds_median": {k: round(v, 4) for k, v in med.items()},
                 "kmesh_vs_unannotated_same_engine": round(same_engine, 4),
@@ -168,6 +342,7 @@ def main() -> None:
                 "unannotated_overhead_goal": 0.03,
                 "reused_tokens": [r["reused_tokens"] for r in reports],
                 "first_reader_report": reader.kv_transfer_params["kmesh"],
+                **work.details,
             },
         }
     )

@@ -3,6 +3,10 @@
 Each script's last printed line is one JSON object (CONTRACT.md). This runner saves it as
 ``bench/results/<name>.json`` and rewrites README's results table between its markers, so the
 table only ever shows measured numbers. ``--quick`` passes ``--quick`` to every script.
+
+Every ``bench/*.py`` script (but this one and ``_*`` helpers) is one benchmark named after its
+file; `VARIANTS` adds benchmarks that run a script again with other arguments (named after the
+result they write).
 """
 
 from __future__ import annotations
@@ -18,24 +22,33 @@ RESULTS = BENCH / "results"
 README = BENCH.parent / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 Q_BEGIN, Q_END = "<!-- quality:begin -->", "<!-- quality:end -->"
+# name -> (script, arguments): a script run again under another workload
+VARIANTS = {"follow_up_ttft_smollm2": ("follow_up_ttft.py", ["--model", "smollm2"])}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, same code path")
     parser.add_argument("names", nargs="*", help="only these benchmarks (e.g. quality)")
+    parser.add_argument(
+        "--no-readme", action="store_true", help="write bench/results/ only, leave README alone"
+    )
     args = parser.parse_args()
     scripts = sorted(p for p in BENCH.glob("*.py") if p.name != "run_all.py" and p.name[0] != "_")
-    unknown = set(args.names) - {p.stem for p in scripts}
+    jobs: list[tuple[str, Path, list[str]]] = [(p.stem, p, []) for p in scripts]
+    jobs += [(name, BENCH / script, extra) for name, (script, extra) in VARIANTS.items()]
+    jobs.sort(key=lambda job: job[0])
+    unknown = set(args.names) - {name for name, _, _ in jobs}
     if unknown:
-        parser.error(f"unknown benchmark(s) {sorted(unknown)}; known: {[p.stem for p in scripts]}")
+        known = [name for name, _, _ in jobs]
+        parser.error(f"unknown benchmark(s) {sorted(unknown)}; known: {known}")
     if args.names:
-        scripts = [p for p in scripts if p.stem in args.names]
+        jobs = [job for job in jobs if job[0] in args.names]
     RESULTS.mkdir(exist_ok=True)
     failed = []
-    for script in scripts:
-        print(f"== {script.name}", flush=True)
-        cmd = [sys.executable, str(script), *(["--quick"] if args.quick else [])]
+    for name, script, extra in jobs:
+        print(f"== {name}", flush=True)
+        cmd = [sys.executable, str(script), *extra, *(["--quick"] if args.quick else [])]
         # stdout is collected for the result line; stderr (progress bars, logs) goes straight
         # to the terminal so a long run shows where it is.
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
@@ -44,12 +57,13 @@ def main() -> int:
         try:
             result = json.loads(lines[-1])
         except (IndexError, json.JSONDecodeError):
-            print(f"{script.name}: no result line (exit {proc.returncode})", file=sys.stderr)
-            failed.append(script.name)
+            print(f"{name}: no result line (exit {proc.returncode})", file=sys.stderr)
+            failed.append(name)
             continue
         (RESULTS / f"{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
-    write_readme_table()
-    if not scripts:
+    if not args.no_readme:
+        write_readme_table()
+    if not jobs:
         print("no benchmark scripts in bench/ yet")
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
