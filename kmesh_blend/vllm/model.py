@@ -42,7 +42,7 @@ class VllmModel:
     def __init__(self, model: Any, hf_config: Any, dtype: torch.dtype) -> None:
         self.model = model
         inner = getattr(model, "model", None)
-        if inner is None or not hasattr(inner, "layers"):
+        if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_input_ids"):
             raise ValueError(f"{type(model).__name__} has no decoder under .model.layers")
         if hasattr(inner, "normalizer"):  # e.g. Gemma scales embeddings inside its forward
             raise ValueError(f"{type(inner).__name__} rescales its embeddings in its forward")
@@ -81,8 +81,7 @@ class VllmModel:
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[T] int64 → state [T, 2, E] (residual half unused until layer 0 ends)."""
-        embed = getattr(self.inner, "embed_input_ids", None) or self.inner.get_input_embeddings
-        hidden = embed(token_ids.to(self.device))
+        hidden = self.inner.embed_input_ids(token_ids.to(self.device))
         return torch.stack([hidden, hidden], dim=1)
 
     def project_qkv(self, layer: int, hidden: torch.Tensor) -> QKV:
@@ -187,7 +186,7 @@ def check_decomposition(adapter: VllmModel, num_tokens: int = 12) -> str | None:
     try:
         for module in attn_modules:
             module.forward = fake_attention
-        hidden = adapter.inner.embed_input_ids(ids)
+        hidden = adapter.embed(ids)[:, 0].contiguous()  # own copy: the forward may work in place
         residual = None
         for layer in adapter.layers:
             hidden, residual = layer(positions, hidden, residual)
