@@ -58,7 +58,9 @@ class BlendResult(NamedTuple):
 
     keys / values: per layer [T, Hkv, D] (keys rotated at positions 0..T-1), what the paged KV
     cache must hold. logits: [1, vocab] fp32 of the last prompt token. recomputed: [T] bool,
-    reused tokens that were recomputed through the last layer.
+    reused tokens that were recomputed through the last layer. last_state: the last prompt
+    token's output of the last layer, [1, ...] in the model's state format (what its final norm
+    and LM head read; the vLLM worker hands it to vLLM's sampler in place of vLLM's own).
     """
 
     keys: list[torch.Tensor]
@@ -67,6 +69,7 @@ class BlendResult(NamedTuple):
     recomputed: torch.Tensor
     num_reused: int
     num_recomputed: int
+    last_state: torch.Tensor
 
 
 class RequestBlend:
@@ -175,9 +178,10 @@ class RequestBlend:
         recomputed = torch.zeros_like(self.reused)
         recomputed[self.computed] = True
         recomputed &= self.reused
-        logits = self.model.logits(self.hidden[-1:])
+        last = self.hidden[-1:]
+        logits = self.model.logits(last)
         return BlendResult(
-            self.keys, self.values, logits, recomputed, self.num_reused, int(recomputed.sum())
+            self.keys, self.values, logits, recomputed, self.num_reused, int(recomputed.sum()), last
         )
 
     # --- helpers --------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ VLLM_TAIL = 2
 vLLM's connector contract leaves at least the last one to vLLM. We leave two: vLLM's CPU
 attention takes a decode path for a single query token, whose bits differ more from the same row
 inside a prefill (measured on the tiny fp32 Llama: log-probabilities identical to stock with 2,
-not with 1). The worker writes the blend's own rows for these tokens back after the forward."""
+not with 1). The blend's own results for these tokens (their KV, the last one's final hidden
+state) replace vLLM's: `kmesh_blend/vllm/tails.py`."""
 
 
 @dataclass(frozen=True)

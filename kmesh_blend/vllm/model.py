@@ -126,8 +126,13 @@ class VllmModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """state [T, 2, E] → [T, vocab] fp32, through the final norm and vLLM's logits path."""
+        return self.model.compute_logits(self.final_norm(hidden)).float()
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """state [T, 2, E] → [T, E] model dtype: what the model's forward returns for these
+        tokens (the final norm with its fused residual add), i.e. what vLLM's sampler reads."""
         x, _ = self.inner.norm(hidden[:, 0].contiguous(), hidden[:, 1].contiguous())
-        return self.model.compute_logits(x).float()
+        return x
 
     def combine_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """[n] fp32 summed over the tensor-parallel ranks (each holds some KV heads)."""

@@ -28,6 +28,7 @@ from kmesh_blend.vllm.meta import VLLM_TAIL, KMeshMetadata, KMeshWorkerMetadata,
 from kmesh_blend.vllm.model import VllmModel, check_decomposition
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 from kmesh_blend.vllm.paged_attention import PagedAttention
+from kmesh_blend.vllm.tails import Tails
 from kmesh_blend.vllm.turns import restore_turn, save_turn
 
 __all__ = ["WorkerSide", "set_fault_injector"]
@@ -85,9 +86,8 @@ class WorkerSide:
         self.kernel: PagedAttention | None = None  # vLLM's attention kernel for blends, if checked
         self.failed_blocks: set[int] = set()
         self.out = KMeshWorkerMetadata()
-        # req_id → (slots [VLLM_TAIL], per layer (k, v) [VLLM_TAIL, Hkv, D]): the blend's KV of
-        # the prompt's tail, written back after the forward (see `_keep_tail`).
-        self.tails: dict[str, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        # The blend's results for the tokens vLLM computes itself (kmesh_blend/vllm/tails.py).
+        self.tails = Tails(model if self.unsupported is None else None, self._failed)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.unsupported is not None:
@@ -142,7 +142,10 @@ class WorkerSide:
             for (load, _), result, hook in zip(ready, results, hooks, strict=True):
                 if hook is None:
                     self._write(load, result.keys, result.values)
-                self._keep_tail(load, result.keys, result.values)
+                n = len(load.token_ids)
+                final = self.model.final_norm(result.last_state)[0]
+                self.tails.keep(load.req_id, load.block_ids, self.block_size, n, n - VLLM_TAIL,
+                                result.keys, result.values, final)  # fmt: skip
                 report = self.out.reports.setdefault(load.req_id, {})
                 report["reused_tokens"] = int(result.num_reused)
                 report["recomputed_tokens"] = int(result.num_recomputed)
@@ -156,7 +159,7 @@ class WorkerSide:
         """Store the KV of new segments, read back from the paged cache (after the forward)."""
         if self.paged is None:
             return
-        self._write_tails()
+        self.tails.write_back(self.paged, self.kv_caches)
         if _kv_capture is not None:
             self._capture(meta)
         for load in meta.loads:
@@ -183,6 +186,7 @@ class WorkerSide:
         return out if (out.reports or out.published or out.disabled) else None
 
     def close(self) -> None:
+        self.tails.close()
         self.store.close()
 
     # --- helpers --------------------------------------------------------------------------------
@@ -236,29 +240,6 @@ class WorkerSide:
             (load, reason or ("failed on another tensor-parallel rank" if bad > 0 else None))
             for (load, reason), bad in zip(blends, failed.tolist(), strict=True)
         ]
-
-    def _keep_tail(
-        self, load: LoadRequest, keys: list[torch.Tensor], values: list[torch.Tensor]
-    ) -> None:
-        """vLLM computes the prompt's last `VLLM_TAIL` tokens itself, as a continuation over the
-        blended KV; its CPU attention rounds a continuation differently from the same rows
-        inside a full prefill (fp32: last bits). The blend computed those rows in the prompt's
-        own batch, as a full prefill does: they go back into the cache after the forward, so
-        the prompt KV that decoding reads is the full prefill's, bit for bit, at ratio 1.0."""
-        first, end = len(load.token_ids) - VLLM_TAIL, len(load.token_ids)
-        slots = slot_mapping(load.block_ids, self.block_size, first, end)
-        rows = [(k[first:end].clone(), v[first:end].clone())
-                for k, v in zip(keys, values, strict=True)]  # fmt: skip
-        self.tails[load.req_id] = (slots, rows)
-
-    def _write_tails(self) -> None:
-        assert self.paged is not None
-        tails, self.tails = self.tails, {}
-        for req_id, (slots, layers) in tails.items():
-            if self._failed(req_id):
-                continue
-            for cache, (k, v) in zip(self.kv_caches, layers, strict=True):
-                self.paged.write(cache, k, v, slots.to(cache.device))
 
     def _capture(self, meta: KMeshMetadata) -> None:
         assert _kv_capture is not None
