@@ -77,9 +77,9 @@ class RequestBlend:
     group's), `end`; then `finish`.
 
     ``borrowed``: [T] bool, reused tokens this request never computes itself (collective mode:
-    their rows come from the segment's leader). ``per_segment``: select the top share within each
-    segment instead of across all reused tokens. ``attention``: run attention through this hook
-    instead of ``model.attend``.
+    their rows come from the segment's leader; an exact prefix: from vLLM's prefix cache).
+    ``per_segment``: select the top share within each segment instead of across all reused
+    tokens. ``attention``: run attention through this hook instead of ``model.attend``.
     """
 
     def __init__(
@@ -100,7 +100,7 @@ class RequestBlend:
         self.always = ~self.reused  # private and gap tokens
         self.always[-1] = True  # the last prompt token's logits are the output
         own = self.reused.clone() if borrowed is None else self.reused & ~borrowed
-        self.num_reused = int(self.reused.sum())
+        self.num_reused = int(self.reused.sum()) - request.exact_prefix  # segments' tokens only
         ratio = options.recompute_ratio
         if ratio >= 1.0 or (ratio > 0.0 and bool(own.any())):
             self.checks = self._check_plan(own, per_segment) if ratio < 1.0 else {}

@@ -96,6 +96,7 @@ class _Group:
             borrowed = torch.zeros(req.token_ids.numel(), dtype=torch.bool)
             for use in self._borrowed_uses(i) if collective else []:
                 borrowed[use.start : use.end] = True
+            borrowed[: req.exact_prefix] = True  # exact KV: read, never computed
             hook = attention[i] if attention is not None else None
             self.states.append(RequestBlend(model, req, options, borrowed, collective, hook))
 

@@ -39,10 +39,15 @@ class BlendRequest:
 
     Spans must be non-empty, sorted, non-overlapping and inside the prompt. Tokens outside every
     span (private and gap tokens) are always computed.
+
+    ``exact_prefix``: the first tokens' stored KV is exact at their own positions (vLLM's prefix
+    cache): they are never recomputed nor selected. When positive, ``uses[0]`` must span exactly
+    [0, exact_prefix) and its source holds that KV.
     """
 
     token_ids: torch.Tensor
     uses: tuple[SegmentUse, ...] = ()
+    exact_prefix: int = 0
 
     def __post_init__(self) -> None:
         t = self.token_ids
@@ -56,6 +61,8 @@ class BlendRequest:
                     f"and within [0, {t.numel()}]"
                 )
             prev_end = use.end
+        if self.exact_prefix and (not self.uses or self.uses[0][:2] != (0, self.exact_prefix)):
+            raise ValueError(f"exact_prefix={self.exact_prefix} needs uses[0] = [0, exact_prefix)")
 
     @property
     def reused_mask(self) -> torch.Tensor:

@@ -15,9 +15,10 @@ reuse fails (unreadable or corrupt master, unknown layout, blend error) is recom
 from scratch while its siblings keep their reuse.
 
 Prefix caching: blended KV is an approximation of the exact prefill, so it must never be served
-later as exact prefix KV. vLLM's automatic prefix caching would hash and reuse those blocks, so the
-connector refuses to start with it on (``enable_prefix_caching=False`` /
-``--no-enable-prefix-caching``).
+later as exact prefix KV. With vLLM's prefix caching on, the scheduler side gives a blended
+request's blocks hashes private to it before vLLM caches them (`kmesh_blend.vllm.prefix_cache`);
+a start-up check proves the mechanism on this vLLM, else the connector refuses to start with
+prefix caching on and says why.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kmesh_blend.config import KMeshConfig
 from kmesh_blend.segments.fingerprint import weights_fingerprint
 from kmesh_blend.segments.identity import make_namespace
 from kmesh_blend.vllm.meta import KMeshMetadata
+from kmesh_blend.vllm.prefix_cache import Privatizer, check_prefix_caching
 from kmesh_blend.vllm.scheduler_side import SchedulerSide
 from kmesh_blend.vllm.worker_side import WorkerSide
 
@@ -59,11 +61,6 @@ class KMeshConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.config = KMeshConfig.from_extra_config(extra)
-        if vllm_config.cache_config.enable_prefix_caching:
-            raise ValueError(
-                "KMeshConnector: blended KV must not be reused as exact prefix KV; start vLLM "
-                "with prefix caching off (enable_prefix_caching=False, --no-enable-prefix-caching)"
-            )
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             # A reuse that cannot be served is an optimization lost, never a failed request. The
             # scheduler reads this field right after building its connector.
@@ -78,6 +75,7 @@ class KMeshConnector(KVConnectorBase_V1):
                 _namespace(vllm_config),
                 model_config.max_model_len,
                 contains=_shared_store_lookup(self.config, vllm_config),
+                privatizer=_privatizer(vllm_config, kv_cache_config),
             )
         else:
             from kmesh_blend.vllm.plugin import loaded_model
@@ -172,6 +170,24 @@ def _namespace(vllm_config: VllmConfig) -> Any:
         head_dim=mc.get_head_size(),
         rope=dict(rope),
     )
+
+
+def _privatizer(vllm_config: VllmConfig, kv_cache_config: Any) -> Privatizer | None:
+    """With prefix caching on: the checked mechanism that keeps blended blocks out of exact
+    prefix hits (refuses to start, naming the reason, when the check fails); else None."""
+    cache_config = vllm_config.cache_config
+    if not cache_config.enable_prefix_caching:
+        return None
+    problem = check_prefix_caching(vllm_config, kv_cache_config)
+    if problem is not None:
+        raise ValueError(
+            f"KMeshConnector: blended KV must never be served as exact prefix KV, and the check "
+            f"of how this vLLM caches blocks failed ({problem}); start vLLM with prefix caching "
+            "off (enable_prefix_caching=False, --no-enable-prefix-caching)"
+        )
+    hash_block = getattr(kv_cache_config, "hash_block_size", None) or cache_config.block_size
+    log.info("kmesh: prefix caching on; blended blocks get private hashes (check passed)")
+    return Privatizer(int(hash_block))
 
 
 def _tp_shard(vllm_config: VllmConfig) -> tuple[int, int]:

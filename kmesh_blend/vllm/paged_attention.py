@@ -66,11 +66,13 @@ class PagedAttention:
         return self
 
     def hook(
-        self, block_ids: list[int], num_tokens: int, caches: list[torch.Tensor] | None = None
-    ) -> Hook:
-        """Attention callback for one request holding ``block_ids`` (all its T prompt tokens)."""
+        self, block_ids: list[int], num_tokens: int, caches: list[torch.Tensor] | None = None,
+        first: int = 0,
+    ) -> Hook:  # fmt: skip
+        """Attention callback for one request holding ``block_ids`` (all its T prompt tokens).
+        Rows before ``first`` are already in the cache (vLLM's exact prefix): never written."""
         caches = caches if caches is not None else self.caches
-        slots = slot_mapping(block_ids, self.block_size, 0, num_tokens)
+        slots = slot_mapping(block_ids, self.block_size, first, num_tokens)
         table = torch.tensor(block_ids, dtype=torch.int32)
 
         runs: list[tuple[torch.Tensor, _Runs]] = []  # for the last q_positions tensor
@@ -80,7 +82,7 @@ class PagedAttention:
             cache = caches[layer]
             attn = self.layers[layer]
             # The backend's own vectorized write (the layout read-back was verified against it).
-            attn.impl.do_kv_cache_update(attn, k, v, cache, slots)
+            attn.impl.do_kv_cache_update(attn, k[first:], v[first:], cache, slots)
             # The blend passes the same positions tensor layer after layer until its computed
             # set changes: the runs and the kernel's schedule are built once for it.
             if not runs or runs[0][0] is not q_positions:

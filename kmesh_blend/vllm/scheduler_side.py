@@ -24,6 +24,7 @@ from kmesh_blend.vllm.meta import (
     SaveRequest,
     SegmentRef,
 )
+from kmesh_blend.vllm.prefix_cache import Privatizer
 from kmesh_blend.vllm.turns import turn_id
 
 __all__ = ["SchedulerSide"]
@@ -65,9 +66,12 @@ class SchedulerSide:
         namespace: Namespace,
         max_model_len: int,
         contains: Any = None,
+        privatizer: Privatizer | None = None,
     ) -> None:
         self.config, self.namespace, self.max_model_len = config, namespace, max_model_len
         self.contains = contains
+        # With vLLM's prefix caching on: makes blended blocks' hashes private (prefix_cache.py).
+        self.privatizer = privatizer
         self.published: set[str] = set()
         # Set from the worker's first output when the blend cannot run on the loaded model:
         # then every annotated request is served stock, its report naming this reason.
@@ -118,18 +122,33 @@ class SchedulerSide:
         ids = segment_ids(namespace, tokens, spans)
         refs = [SegmentRef(s, e, str(i)) for (s, e), i in zip(spans, ids, strict=True)]
         plan = _Plan(tokens, refs, first=num_computed_tokens)
+        if self.privatizer is not None:
+            plan.report["prefix_cached_tokens"] = num_computed_tokens
         self.plans[request.request_id] = plan
+        matched = self._plan_reuse(parsed.annotation, namespace, plan, num_computed_tokens)
+        if matched and self.privatizer is not None:
+            self.privatizer.privatize(request, num_computed_tokens)
+        return matched
+
+    def _plan_reuse(
+        self, annotation: Any, namespace: Namespace, plan: _Plan, num_computed: int
+    ) -> int:
+        """Fill ``plan``'s loads, saves and turn; the tokens the worker will provide."""
+        tokens, refs, num_computed_tokens = plan.token_ids, plan.segments, num_computed
         turn = self._find_turn(namespace, tokens, refs) if num_computed_tokens == 0 else None
         if turn is not None:  # the request continues: restore its earlier prompt's KV
             plan.turn = turn
             plan.saves = [r for r in refs if r.start >= turn[1]]  # new segments: stored after
             plan.report["restored_tokens"] = turn[1]
             return turn[1]
-        plan.loads = [r for r in refs if self._is_published(r.segment_id)]
+        # A segment inside the exact prefix vLLM found in its cache needs no load.
+        plan.loads = [
+            r for r in refs if r.end > num_computed_tokens and self._is_published(r.segment_id)
+        ]
         plan.saves = [r for r in refs if r not in plan.loads]
         if not plan.loads or len(tokens) - VLLM_TAIL <= num_computed_tokens:
             return 0
-        if parsed.annotation.keep and len(tokens) >= _HEAD:
+        if annotation.keep and len(tokens) >= _HEAD:
             plan.keep = turn_id(namespace, tokens)
             self._keeping[plan.keep] = (len(tokens), refs, tuple(tokens[:_HEAD]))
         return len(tokens) - VLLM_TAIL - num_computed_tokens
@@ -200,6 +219,8 @@ class SchedulerSide:
 
     def finished(self, request: Any) -> dict[str, Any] | None:
         """The report for ``RequestOutput.kv_transfer_params``; None for unannotated requests."""
+        if self.privatizer is not None:
+            self.privatizer.forget(request.request_id)
         plan = self.plans.pop(request.request_id, None)
         if plan is None:
             return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -122,16 +122,15 @@ class WorkerSide:
             blends.append((load, self._prepare(load, masters)))
         for load, reason in self._agree(blends):
             if reason is None:
-                uses = tuple(SegmentUse(r.start, r.end, r.segment_id) for r in load.segments)
-                ready.append((load, BlendRequest(torch.tensor(load.token_ids), uses)))
+                ready.append((load, self._blend_request(load, masters)))
             else:
                 self._fail(load, reason)
         if not ready:
             return
         # With vLLM's kernel, each layer's KV goes into the paged cache as the blend runs.
         hooks = [
-            self.kernel.hook(load.block_ids, len(load.token_ids))
-            if self.kernel is not None and load.first == 0
+            self.kernel.hook(load.block_ids, len(load.token_ids), first=load.first)
+            if self.kernel is not None
             else None
             for load, _ in ready
         ]
@@ -213,6 +212,26 @@ class WorkerSide:
         self.out.reports.setdefault(load.req_id, {})["storage_reads"] = reads
         return None
 
+    def _blend_request(self, load: LoadRequest, masters: dict[str, Any]) -> BlendRequest:
+        """What the blend computes for ``load``. Tokens before ``load.first`` came from vLLM's
+        prefix cache: their exact KV is read back as a pseudo-segment the blend never recomputes,
+        and a segment reaching into them is cut to its part after them."""
+        first, uses = load.first, []
+        if first > 0:
+            prefix_id = f"prefix:{load.req_id}"
+            masters[prefix_id] = _Rows(self._prompt_kv(load, 0, first).cpu(), torch.arange(first))
+            uses.append(SegmentUse(0, first, prefix_id))
+        for ref in load.segments:
+            if ref.end <= first:
+                continue
+            segment_id, start = ref.segment_id, max(ref.start, first)
+            if start > ref.start:  # keep the stored rows of [start, end) only
+                cut, master = start - ref.start, masters[ref.segment_id]
+                segment_id = f"{ref.segment_id}@{cut}"
+                masters[segment_id] = _Rows(master.kv[:, :, cut:], master.positions[cut:])
+            uses.append(SegmentUse(start, ref.end, segment_id))
+        return BlendRequest(torch.tensor(load.token_ids), tuple(uses), exact_prefix=first)
+
     def _write(
         self, load: LoadRequest, keys: list[torch.Tensor], values: list[torch.Tensor]
     ) -> None:
@@ -247,10 +266,12 @@ class WorkerSide:
             if not self._failed(load.req_id):
                 _kv_capture(load.req_id, self._prompt_kv(load))
 
-    def _prompt_kv(self, load: LoadRequest) -> torch.Tensor:
-        """The request's prompt KV read back from the paged cache: [L, 2, T, Hkv, D]."""
+    def _prompt_kv(self, load: LoadRequest, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Prompt KV of tokens [start, end) (default: all) read back from the paged cache:
+        [L, 2, end − start, Hkv, D]."""
         assert self.paged is not None
-        slots = slot_mapping(load.block_ids, self.block_size, 0, len(load.token_ids))
+        end = len(load.token_ids) if end is None else end
+        slots = slot_mapping(load.block_ids, self.block_size, start, end)
         rows = [self.paged.read(cache, slots) for cache in self.kv_caches]
         return torch.stack([torch.stack(kv) for kv in rows])
 
@@ -318,6 +339,13 @@ def _adapt(model: Any, hf_config: Any, dtype: torch.dtype) -> tuple[VllmModel, s
             reason = f"model not supported: {problem}"
     log.warning("kmesh: reuse disabled, every request is served on the stock path: %s", reason)
     return _ShapeOnly(hf_config, dtype), reason  # type: ignore[return-value]
+
+
+class _Rows(NamedTuple):
+    """Stored rows in the master's shape: kv [L, 2, S, Hkv, D], positions [S] int64."""
+
+    kv: torch.Tensor
+    positions: torch.Tensor
 
 
 class _ShapeOnly:

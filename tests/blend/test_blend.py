@@ -109,3 +109,33 @@ def test_outside_spans_are_the_uncovered_tokens() -> None:
     req = BlendRequest(torch.arange(16), uses)
     assert _outside_spans(req) == [slice(0, 3), slice(9, 12), slice(15, 16)]
     assert _outside_spans(BlendRequest(torch.arange(4), (SegmentUse(0, 4, "a"),))) == []
+
+
+@pytest.mark.parametrize("selection", ["per_request", "collective"])
+def test_an_exact_prefix_is_read_never_recomputed(llama: ReferenceModel, selection: str) -> None:
+    """Tokens [0, P) with exact KV (vLLM's prefix cache) are neither computed nor selected; the
+    rest is blended over them. At ratio 1.0 the result is the full prefill's (the exact prefix
+    stands in for the prefix's own computation)."""
+    from kmesh_blend.blend import DenseSegmentSource, SegmentKV
+
+    requests, source = family(llama, "middle", 2, seg_len=100)
+    req = requests[0]
+    p = req.uses[0].start  # the private head, cached exactly
+    full = prefill(llama, req.token_ids)
+    head = SegmentKV(
+        torch.stack(full.keys)[:, :p], torch.stack(full.values)[:, :p], torch.arange(p)
+    )
+    both = DenseSegmentSource({**source.segments, "head": head})
+    cached = BlendRequest(req.token_ids, (SegmentUse(0, p, "head"), *req.uses), exact_prefix=p)
+    opts = BlendOptions(recompute_ratio=1.0, selection=selection)  # type: ignore[arg-type]
+    result = blend_group(llama, [cached, requests[1]], both, opts)[0]
+    assert result.num_reused == 100 and result.num_recomputed == 100
+    assert not bool(result.recomputed[:p].any())
+    for layer in range(llama.shape.num_layers):
+        assert torch.equal(result.keys[layer][:p], full.keys[layer][:p])
+        torch.testing.assert_close(result.keys[layer], full.keys[layer], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(result.logits, full.logits[-1:], rtol=1e-4, atol=1e-4)
+    partial = blend_one(llama, cached, both, BlendOptions(recompute_ratio=0.15))
+    assert not bool(partial.recomputed[:p].any()) and partial.num_recomputed == 15
+    with pytest.raises(ValueError, match="exact_prefix"):
+        BlendRequest(req.token_ids, req.uses, exact_prefix=p)

@@ -83,15 +83,6 @@ def test_unannotated_and_bad_annotations_take_the_stock_path(stock: list[list[in
     assert bad_tokens == stock[2]
 
 
-def test_prefix_caching_is_refused_at_start() -> None:
-    from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
-    from kmesh_blend.testing.engine import make_llm
-    from tests.vllm.family import kv_transfer_config
-
-    with pytest.raises(Exception, match="prefix caching"):
-        make_llm(build_checkpoint(TINY_LLAMA), kv_transfer_config=kv_transfer_config())
-
-
 def test_bad_setting_is_refused_at_start() -> None:
     from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
     from kmesh_blend.testing.engine import make_llm
