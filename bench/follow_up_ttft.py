@@ -19,16 +19,26 @@ tokens, template text after D), so D's tokens are the same in every prompt; the 
 that, and that the pieces decode to the templated text. Result name ``follow_up_ttft_smollm2``
 (the bench model's stays ``follow_up_ttft``).
 
+Both engines run with vLLM's prefix caching on (its default), otherwise the same settings.
+
 value = median KMesh follow-up TTFT / median stock follow-up TTFT (goal ≤ 0.25).
 config.unannotated_overhead = median KMesh-engine TTFT of unannotated prompts / stock − 1
-(goal ≤ 3%; the KMesh engine runs with prefix caching off, which it requires).
+(goal ≤ 3%); config.unannotated_cached_tokens: vLLM's prefix-cache hits (``num_cached_tokens``)
+of every unannotated request on each engine (goal: equal).
+
+``--workload mixed``: the unannotated request of each round is a chat sharing one 1,024-token
+system prompt with every other chat (`_chats.shared_system_chats`), so stock vLLM's prefix cache
+serves the system prompt to every chat after the first; interleaved with the annotated document
+follow-ups. It shows that KMesh leaves exact-prefix reuse intact while it blends the families.
+Result name gets ``_mixed``.
 config.kmesh_vs_unannotated_same_engine = the same ratio against unannotated prompts measured
 interleaved on the KMesh engine (the stock path there): a cross-check free of engine order.
 
 Both engines run under tcmalloc by default, the allocator vLLM's CPU guide requires for
 performance (``--allocator system`` for glibc's malloc; config.allocator says which ran).
 
-Run: python bench/follow_up_ttft.py [--quick] [--model bench|smollm2] [--allocator tcmalloc|system]
+Run: python bench/follow_up_ttft.py [--quick] [--model bench|smollm2] [--workload families|mixed]
+     [--allocator tcmalloc|system]
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _chats import shared_system_chats
 from _common import emit, plot_bars, progress, use_allocator
 
 from kmesh_blend.testing import BENCH_LLAMA, SMOLLM2, build_checkpoint, smollm2_checkpoint
@@ -238,6 +249,13 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
+        "--workload",
+        default="families",
+        choices=["families", "mixed"],
+        help="families: unannotated prompts are other follow-ups (no shared prefix); mixed: "
+        "they are chats sharing a 1,024-token system prompt",
+    )
+    parser.add_argument(
         "--allocator",
         default="tcmalloc",
         choices=["tcmalloc", "system"],
@@ -251,6 +269,13 @@ def main() -> None:
 
     make_workload = bench_workload if args.model == "bench" else smollm2_workload
     work = make_workload(doc_len, rounds)
+    if args.workload == "mixed":
+        chats, chat_details = shared_system_chats(args.model, work.path, rounds, system_len=1024)
+        work = work._replace(
+            name=f"{work.name}_mixed",
+            rounds=[(pair[0], chat) for pair, chat in zip(work.rounds, chats, strict=True)],
+            details={**work.details, **chat_details},
+        )
 
     def ttft(llm: Any, ids: list[int], spans: list[list[int]] | None) -> tuple[float, Any]:
         extra = {"kv_transfer_params": {"kmesh": {"segments": spans}}} if spans else None
@@ -261,14 +286,20 @@ def main() -> None:
 
     common = {"max_model_len": 4096, "max_num_batched_tokens": 4096, "dtype": args.dtype}
     times: dict[str, list[float]] = {"stock": [], "kmesh": [], "stock_plain": [], "kmesh_plain": []}
+    # vLLM's prefix-cache hits of each unannotated request, per engine run
+    cached: dict[str, list[list[int]]] = {"stock": [], "kmesh": []}
 
     def run_stock() -> None:
         stock = make_llm(work.path, **common)
         for _ in range(3):  # warm-up, unmeasured
             ttft(stock, work.warmup(), None)
+        hits = []
         for (ids, _), plain in progress(work.rounds, "stock rounds"):
             times["stock"].append(ttft(stock, ids, None)[0])
-            times["stock_plain"].append(ttft(stock, plain, None)[0])
+            t, out = ttft(stock, plain, None)
+            times["stock_plain"].append(t)
+            hits.append(int(out.num_cached_tokens or 0))
+        cached["stock"].append(hits)
         del stock
         gc.collect()
 
@@ -276,10 +307,9 @@ def main() -> None:
     # stock again, so neither side gains from the order (the first engine of a process is slower).
     run_stock()
 
-    # Phase 2: the same engine settings with KMesh (prefix caching off, as it requires).
+    # Phase 2: the same engine settings with KMesh.
     kmesh = make_llm(
         work.path,
-        enable_prefix_caching=False,
         kv_transfer_config={
             "kv_connector": "KMeshConnector",
             "kv_connector_module_path": "kmesh_blend.vllm",
@@ -291,12 +321,15 @@ def main() -> None:
     for _ in range(3):  # warm-up, unmeasured
         ttft(kmesh, work.warmup(), None)
     _, reader = ttft(kmesh, *work.reader)  # publishes the document's master
-    reports = []
+    reports, hits = [], []
     for (ids, spans), plain in progress(work.rounds, "kmesh rounds"):
         t, out = ttft(kmesh, ids, spans)
         times["kmesh"].append(t)
         reports.append(out.kv_transfer_params["kmesh"])
-        times["kmesh_plain"].append(ttft(kmesh, plain, None)[0])
+        t, out = ttft(kmesh, plain, None)
+        times["kmesh_plain"].append(t)
+        hits.append(int(out.num_cached_tokens or 0))
+    cached["kmesh"].append(hits)
     del kmesh
     gc.collect()
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
@@ -314,11 +347,15 @@ def main() -> None:
     print(f"  reports: {reports}")
     print(f"  unannotated: stock {med['stock_plain']:.3f} s, KMesh engine "
           f"{med['kmesh_plain']:.3f} s ({overhead:+.1%})")  # fmt: skip
+    hits_equal = all(run == cached["kmesh"][0] for run in cached["stock"])
+    print(f"  prefix-cache hits of unannotated requests: stock {cached['stock']}, KMesh "
+          f"{cached['kmesh']} ({'equal' if hits_equal else 'DIFFERENT'})")  # fmt: skip
     plot_bars(
         work.name,
         ["stock", "kmesh", "stock unannotated", "kmesh unannotated"],
         [med["stock"], med["kmesh"], med["stock_plain"], med["kmesh_plain"]],
-        f"follow-up TTFT, {doc_len}-token shared document, {work.label}, vLLM CPU",
+        f"follow-up TTFT, {doc_len}-token shared document, {work.label}, vLLM CPU"
+        + (", with chats sharing a system prompt" if args.workload == "mixed" else ""),
     )
     emit(
         {
@@ -340,6 +377,10 @@ def main() -> None:
                 "kmesh_vs_unannotated_same_engine": round(same_engine, 4),
                 "unannotated_overhead": round(overhead, 4),
                 "unannotated_overhead_goal": 0.03,
+                "unannotated_cached_tokens": cached,
+                "unannotated_cached_tokens_equal": hits_equal,
+                "workload": args.workload,
+                "prefix_caching": "on in both engines",
                 "reused_tokens": [r["reused_tokens"] for r in reports],
                 "first_reader_report": reader.kv_transfer_params["kmesh"],
                 **work.details,

@@ -23,7 +23,13 @@ README = BENCH.parent / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 Q_BEGIN, Q_END = "<!-- quality:begin -->", "<!-- quality:end -->"
 # name -> (script, arguments): a script run again under another workload
-VARIANTS = {"follow_up_ttft_smollm2": ("follow_up_ttft.py", ["--model", "smollm2"])}
+VARIANTS = {
+    "follow_up_ttft_smollm2": ("follow_up_ttft.py", ["--model", "smollm2"]),
+    "follow_up_ttft_smollm2_mixed": (
+        "follow_up_ttft.py",
+        ["--model", "smollm2", "--workload", "mixed"],
+    ),
+}
 
 
 def main() -> int:
