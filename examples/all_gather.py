@@ -39,7 +39,6 @@ def main() -> None:
     model = args.model or str(build_checkpoint(TINY_LLAMA))
     llm = make_llm(
         model,
-        enable_prefix_caching=False,
         kv_transfer_config={
             "kv_connector": "KMeshConnector",
             "kv_connector_module_path": "kmesh_blend.vllm",

