@@ -11,7 +11,10 @@ Which LMCache classes are used, per ``kmesh.store`` kind:
 ``redis``  ``RedisConnector`` to a Redis server.
 =========  ==================================================================================
 
-Remote connectors are async: they run on one private event loop thread per store. Not used:
+Remote connectors are async: they run on one private event loop thread per store. LMCache's
+``lm://`` client never reconnects, so an operation that fails on it opens a new connection and
+is tried once more (a restarted server is used again at once; one that is down fails fast). Not
+used:
 ``StorageManager`` / ``LMCacheEngine`` (they chunk by LMCache's prefix token hashes and need a
 GPU connector; we store whole segments by our own content id), and ``RedisConnector.close`` (it
 deadlocks its own loop: we shut its executor down and close its client directly). Every call
@@ -21,9 +24,11 @@ here is serialised by the caller (`kmesh_blend.segments.store`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import torch
@@ -32,6 +37,8 @@ from kmesh_blend.config import StoreSpec
 from kmesh_blend.segments.master import MasterLayout
 
 __all__ = ["LMCacheTier", "make_key", "open_tier"]
+
+log = logging.getLogger(__name__)
 
 _CHUNK = 256  # LMCacheMetadata wants a chunk size; we never chunk, objects are whole segments
 _IO_TIMEOUT_S = 30.0
@@ -101,9 +108,8 @@ class LMCacheTier:
 
             self.disk = LocalDiskBackend(self.config, self._loop, self.cpu, dst_device="cpu")
         elif spec.kind == "lm":
-            from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector
-
-            self.conn = LMCServerConnector(spec.host, spec.port, self._loop, self.cpu)
+            self._address = (spec.host, spec.port)
+            self.conn = self._connect_lm()
         elif spec.kind == "redis":
             from lmcache.v1.storage_backend.connector.redis_connector import RedisConnector
 
@@ -133,7 +139,7 @@ class LMCacheTier:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"disk write of {key.to_string()} did not finish")
         else:
-            self._run(self.conn.put(key, obj))
+            self._remote(lambda: self.conn.put(key, obj))
 
     def get(self, key: Any) -> Any:
         """The stored object (the caller owns one reference and must drop it), or None."""
@@ -141,7 +147,7 @@ class LMCacheTier:
             return self.cpu.get_blocking(key)
         if self.kind == "disk":
             return self.disk.get_blocking(key)
-        return self._run(self.conn.get(key))
+        return self._remote(lambda: self.conn.get(key))
 
     def remove(self, key: Any) -> bool:
         """Delete ``key``. ``lm://`` has no delete (the LMCache server never frees anything):
@@ -174,6 +180,35 @@ class LMCacheTier:
                 self._thread.join(timeout=5)
             self._loop = None
         self.cpu.close()
+
+    # -- remote connections -------------------------------------------------------------------
+
+    def _connect_lm(self) -> Any:
+        from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector
+
+        host, port = self._address
+        return LMCServerConnector(host, port, self._loop, self.cpu)
+
+    def _remote(self, op: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+        """Run ``op()`` on the connection; on ``lm://`` a failure reopens it and retries once."""
+        if self.kind == "lm" and self.conn is None:
+            self._reopen()
+        try:
+            return self._run(op())
+        except Exception as exc:
+            if self.kind != "lm":
+                raise
+            log.warning("kmesh store lm: %s; reconnecting to %s:%s", exc, *self._address)
+            self._reopen()
+            return self._run(op())
+
+    def _reopen(self) -> None:
+        """A fresh ``lm://`` connection; raises (and leaves none) while the server is down."""
+        old, self.conn = self.conn, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                old.client_socket.close()
+        self.conn = self._connect_lm()
 
     # -- event loop ---------------------------------------------------------------------------
 

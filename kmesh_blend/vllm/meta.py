@@ -79,6 +79,8 @@ class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
     published: list[str] = field(default_factory=list)
     turns: list[str] = field(default_factory=list)  # turn records stored this step
     disabled: str | None = None  # why reuse cannot run in this engine (unsupported model)
+    lost: list[str] = field(default_factory=list)  # believed stored, but could not be read
+    unpublished: list[str] = field(default_factory=list)  # scheduled saves that did not store
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KMeshWorkerMetadata):
@@ -87,4 +89,6 @@ class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
             self.published.extend(other.published)
             self.turns.extend(other.turns)
             self.disabled = self.disabled or other.disabled
+            self.lost.extend(other.lost)
+            self.unpublished.extend(other.unpublished)
         return self

@@ -30,6 +30,7 @@ from kmesh_blend.vllm.turns import turn_id
 __all__ = ["SchedulerSide"]
 
 _HEAD = 16  # turn records are found by their prompt's first tokens (shorter prompts: not kept)
+_REASON_CHARS = 200  # a fallback reason echoes at most this much of the bad input
 
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
@@ -103,10 +104,12 @@ class SchedulerSide:
         if parsed.annotation is None:
             if parsed.fallback is not None:
                 plan = _Plan(tokens, [])
-                plan.report["fallback"] = parsed.fallback
+                plan.report["fallback"] = _short(parsed.fallback)
                 self.plans[request.request_id] = plan
                 log.warning(
-                    "kmesh: request %s runs without reuse: %s", request.request_id, parsed.fallback
+                    "kmesh: request %s runs without reuse: %s",
+                    request.request_id,
+                    plan.report["fallback"],
                 )
             return 0
         if self.disabled is not None:
@@ -125,16 +128,25 @@ class SchedulerSide:
         if self.privatizer is not None:
             plan.report["prefix_cached_tokens"] = num_computed_tokens
         self.plans[request.request_id] = plan
-        matched = self._plan_reuse(parsed.annotation, namespace, plan, num_computed_tokens)
+        skip = bool(getattr(request, "skip_reading_prefix_cache", False))
+        matched = self._plan_reuse(parsed.annotation, namespace, plan, num_computed_tokens, skip)
         if matched and self.privatizer is not None:
             self.privatizer.privatize(request, num_computed_tokens)
         return matched
 
     def _plan_reuse(
-        self, annotation: Any, namespace: Namespace, plan: _Plan, num_computed: int
-    ) -> int:
-        """Fill ``plan``'s loads, saves and turn; the tokens the worker will provide."""
+        self, annotation: Any, namespace: Namespace, plan: _Plan, num_computed: int,
+        skip_reading: bool,
+    ) -> int:  # fmt: skip
+        """Fill ``plan``'s loads, saves and turn; the tokens the worker will provide.
+        ``skip_reading``: vLLM takes no KV for this request (it asked for prompt_logprobs)."""
         tokens, refs, num_computed_tokens = plan.token_ids, plan.segments, num_computed
+        if skip_reading:
+            plan.saves = list(refs)  # it computes them exactly: they are stored as usual
+            plan.report["fallback"] = (
+                "prompt_logprobs requested: vLLM computes every prompt token itself"
+            )
+            return 0
         turn = self._find_turn(namespace, tokens, refs) if num_computed_tokens == 0 else None
         if turn is not None:  # the request continues: restore its earlier prompt's KV
             plan.turn = turn
@@ -205,6 +217,10 @@ class SchedulerSide:
             self.disabled = worker_meta.disabled
         self.published.update(worker_meta.published)
         self._saving.difference_update(worker_meta.published)
+        # What the store could not give back or did not take is not published: the next
+        # request that computes it stores it again.
+        self.published.difference_update(worker_meta.lost)
+        self._saving.difference_update(worker_meta.unpublished)
         for record in worker_meta.turns:
             kept = self._keeping.pop(record, None)
             if kept is not None:
@@ -215,7 +231,14 @@ class SchedulerSide:
             plan = self.plans.get(req_id)
             target = plan.report if plan is not None else self._recent.get(req_id)
             if target is not None:
+                if report.get("fallback"):
+                    report = {**report, "fallback": _short(report["fallback"])}
                 target.update(report)
+            if plan is not None and report.get("fallback") and plan.turn is None:
+                # The load failed and vLLM recomputes the prompt: once it has, store every
+                # segment of it the store does not hold.
+                plan.saved = False
+                plan.saves = [r for r in plan.segments if r.segment_id not in self.published]
 
     def finished(self, request: Any) -> dict[str, Any] | None:
         """The report for ``RequestOutput.kv_transfer_params``; None for unannotated requests."""
@@ -272,3 +295,11 @@ class SchedulerSide:
         if unique:
             self._saving.update(unique)
             meta.saves.append(SaveRequest(req_id, list(plan.blocks), list(unique.values())))
+
+
+def _short(reason: str) -> str:
+    """``reason`` cut to `_REASON_CHARS` characters (a bad field may be megabytes)."""
+    if len(reason) <= _REASON_CHARS:
+        return reason
+    suffix = f"… ({len(reason)} chars)"
+    return reason[: _REASON_CHARS - len(suffix)] + suffix

@@ -165,6 +165,9 @@ class WorkerSide:
             if load.keep is not None and not self._failed(load.req_id):
                 self._keep_turn(load)
         for save in meta.saves:
+            if self._failed(save.req_id):  # its blocks hold no valid KV until vLLM recomputes
+                self.out.unpublished.extend(ref.segment_id for ref in save.segments)
+                continue
             for ref in save.segments:
                 slots = slot_mapping(save.block_ids, self.block_size, ref.start, ref.end)
                 rows = [self.paged.read(cache, slots) for cache in self.kv_caches]
@@ -174,6 +177,7 @@ class WorkerSide:
                     self.out.published.append(ref.segment_id)
                 else:
                     log.warning("kmesh: could not store segment %s", ref.segment_id[:16])
+                    self.out.unpublished.append(ref.segment_id)
 
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
@@ -182,7 +186,8 @@ class WorkerSide:
     def take_output(self) -> KMeshWorkerMetadata | None:
         out, self.out = self.out, KMeshWorkerMetadata()
         out.disabled = self.unsupported
-        return out if (out.reports or out.published or out.disabled) else None
+        return out if (out.reports or out.published or out.disabled or out.lost
+                       or out.unpublished) else None  # fmt: skip
 
     def close(self) -> None:
         self.tails.close()
@@ -205,8 +210,10 @@ class WorkerSide:
             fetched = self.cache.fetch(ref.segment_id)  # type: ignore[arg-type]
             reads += fetched.reads
             if fetched.master is None:
+                self.out.lost.append(ref.segment_id)
                 return f"segment {ref.segment_id[:16]} {fetched.source}"
             if fetched.master.num_tokens != ref.end - ref.start:
+                self.out.lost.append(ref.segment_id)
                 return f"segment {ref.segment_id[:16]} has {fetched.master.num_tokens} tokens"
             masters[ref.segment_id] = fetched.master
         self.out.reports.setdefault(load.req_id, {})["storage_reads"] = reads

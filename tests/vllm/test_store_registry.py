@@ -1,0 +1,128 @@
+"""What the scheduler believes is stored follows what the store holds (real vLLM, real stores).
+
+A master the store no longer gives back (evicted under its budget, lost with a restarted `lm://`
+server) fails its load once, naming why; that request is recomputed by vLLM and stores the
+document again, so the next follow-up reuses it. Reports say why reuse was skipped, briefly.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
+from kmesh_blend.testing.engine import make_llm
+from tests.segments.conftest import _free_port, _stop, _wait_port
+from tests.vllm.family import DOC_LEN, kv_transfer_config, prompts
+
+pytestmark = pytest.mark.vllm
+
+Out = tuple[list[int], dict[str, Any]]
+
+
+def _generate(llm: Any, ids: list[int], kmesh: dict[str, Any] | None, **params: Any) -> Out:
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": {"kmesh": kmesh}} if kmesh is not None else None
+    sp = SamplingParams(temperature=0.0, max_tokens=6, extra_args=extra, **params)
+    (o,) = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+    return list(o.outputs[0].token_ids), (o.kv_transfer_params or {}).get("kmesh", {})
+
+
+def _engine(fn: Callable[[Any], Any], **kmesh: Any) -> Any:
+    extra = {"kv_transfer_config": kv_transfer_config(**kmesh)} if kmesh else {}
+    llm = make_llm(build_checkpoint(TINY_LLAMA), enable_prefix_caching=False, **extra)
+    try:
+        return fn(llm)
+    finally:
+        del llm
+        gc.collect()
+
+
+def _stock(items: list[list[int]]) -> list[list[int]]:
+    return _engine(lambda llm: [_generate(llm, ids, None)[0] for ids in items])
+
+
+def _lm_server(port: int) -> subprocess.Popen[bytes]:
+    """An LMCache server on ``port``; retried while the port is still held by the last one's
+    closing connections."""
+    env = {**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"}
+    cmd = [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"]
+    for attempt in range(30):
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        try:
+            _wait_port(port, proc)
+            return proc
+        except RuntimeError:
+            if attempt == 29:
+                raise
+            time.sleep(2.0)
+    raise AssertionError("unreachable")
+
+
+def test_a_master_lost_with_its_lm_server_is_stored_again_by_the_next_reader() -> None:
+    family = prompts(seed=5)
+    items = [ids for ids, _ in family]
+    spans = [{"segments": s} for _, s in family]
+    port = _free_port()
+    server = [_lm_server(port)]
+
+    def run(llm: Any) -> list[Out]:
+        out = [_generate(llm, items[i], spans[i]) for i in range(2)]  # publish, reuse
+        _stop(server[0])  # every master is gone with it; the same port comes back empty
+        server[0] = _lm_server(port)
+        out += [_generate(llm, items[i], spans[i]) for i in range(2, 5)]
+        return out
+
+    try:
+        got = _engine(run, store=f"lm://127.0.0.1:{port}", retention_bytes=0)
+    finally:
+        _stop(server[0])
+    reports = [r for _, r in got]
+    assert reports[1]["reused_tokens"] == DOC_LEN
+    assert reports[2]["reused_tokens"] == 0 and "load error" in reports[2]["fallback"]
+    assert len(reports[2]["fallback"]) <= 200
+    # The failed follow-up was recomputed and stored the document again: reuse resumes.
+    assert [r["reused_tokens"] for r in reports[3:]] == [DOC_LEN, DOC_LEN]
+    assert all(r["fallback"] is None for r in reports[3:])
+    assert got[2][0] == _stock([items[2]])[0]  # the failed one: the stock path's tokens
+
+
+def test_a_master_evicted_under_the_store_budget_is_stored_again() -> None:
+    """The cpu store holds one master (retention off): reading a second document evicts the
+    first; its next follow-up misses once, and the one after reuses again."""
+    a, b = prompts(seed=6), prompts(seed=7)
+    order = [(a, 0), (a, 1), (b, 0), (b, 1), (a, 2), (a, 3)]
+
+    def run(llm: Any) -> list[Out]:
+        return [_generate(llm, fam[i][0], {"segments": fam[i][1]}) for fam, i in order]
+
+    master = 4 * 2 * DOC_LEN * TINY_LLAMA.num_kv_heads * TINY_LLAMA.head_dim * 4
+    got = _engine(run, store="cpu", retention_bytes=0, store_cpu_bytes=int(master * 1.5))
+    reused = [r["reused_tokens"] for _, r in got]
+    assert reused[1] == DOC_LEN and reused[3] == DOC_LEN  # each document reused while stored
+    assert reused[4] == 0 and "miss" in got[4][1]["fallback"]
+    assert reused[5] == DOC_LEN and got[5][1]["fallback"] is None
+
+
+def test_reports_say_why_briefly() -> None:
+    family = prompts(seed=8)
+
+    def run(llm: Any) -> list[Out]:
+        first = _generate(llm, family[0][0], {"segments": family[0][1]})
+        logprobs = _generate(llm, family[1][0], {"segments": family[1][1]}, prompt_logprobs=0)
+        huge = _generate(llm, family[2][0], {"segments": "x" * 1_000_000})
+        after = _generate(llm, family[3][0], {"segments": family[3][1]})
+        return [first, logprobs, huge, after]
+
+    got = _engine(run, store="cpu")
+    assert "prompt_logprobs" in got[1][1]["fallback"] and got[1][1]["reused_tokens"] == 0
+    assert len(got[2][1]["fallback"]) <= 200 and "segments" in got[2][1]["fallback"]
+    assert got[3][1]["reused_tokens"] == DOC_LEN  # the engine is unharmed
