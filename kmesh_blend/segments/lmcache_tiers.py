@@ -109,7 +109,13 @@ class LMCacheTier:
             self.disk = LocalDiskBackend(self.config, self._loop, self.cpu, dst_device="cpu")
         elif spec.kind == "lm":
             self._address = (spec.host, spec.port)
-            self.conn = self._connect_lm()
+            try:
+                self.conn = self._connect_lm()
+            except OSError as exc:  # serve without reuse; every later operation reconnects
+                log.warning(
+                    "kmesh.store lm://%s:%s is unreachable (%s); reuse starts when it answers",
+                    spec.host, spec.port, exc,
+                )  # fmt: skip
         elif spec.kind == "redis":
             from lmcache.v1.storage_backend.connector.redis_connector import RedisConnector
 

@@ -34,12 +34,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kmesh_blend.config import KMeshConfig
 from kmesh_blend.segments.fingerprint import weights_fingerprint
 from kmesh_blend.segments.identity import make_namespace
 from kmesh_blend.vllm.meta import KMeshMetadata
 from kmesh_blend.vllm.prefix_cache import Privatizer, check_prefix_caching
+from kmesh_blend.vllm.prom import KMeshPromMetrics, KMeshStats
 from kmesh_blend.vllm.scheduler_side import SchedulerSide
 from kmesh_blend.vllm.worker_side import WorkerSide
 
@@ -147,6 +149,22 @@ class KMeshConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker.take_output() if self.worker is not None else None
+
+    # --- metrics (both sides; kmesh_blend/vllm/stats.py) ----------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self.scheduler if self.scheduler is not None else self.worker
+        data = side.take_stats() if side is not None else None
+        return KMeshStats(data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KMeshStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:  # fmt: skip
+        return KMeshPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

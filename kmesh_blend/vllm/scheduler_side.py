@@ -25,6 +25,7 @@ from kmesh_blend.vllm.meta import (
     SegmentRef,
 )
 from kmesh_blend.vllm.prefix_cache import Privatizer
+from kmesh_blend.vllm.stats import fallback_reason
 from kmesh_blend.vllm.turns import turn_id
 
 __all__ = ["SchedulerSide"]
@@ -87,6 +88,8 @@ class SchedulerSide:
         # (max_tokens=1) is reported before the worker's outcome arrives later in the same
         # `update_from_output`; the outcome is merged into the same dict before vLLM emits it.
         self._recent: dict[str, dict[str, Any]] = {}
+        self._counted: set[str] = set()  # of `_recent`, already in the metrics
+        self._gauges: dict[str, int] = {}
 
     def num_matched(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` the worker side will provide (0: stock path)."""
@@ -172,6 +175,7 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output: Any) -> KMeshMetadata:
         self._recent.clear()
+        self._counted.clear()
         meta = KMeshMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -251,6 +255,41 @@ class SchedulerSide:
             plan.report["fallback"] = self.disabled  # it ran before the worker's word arrived
         self._recent[request.request_id] = plan.report
         return {"kmesh": plan.report}
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """Metrics payload (`kmesh_blend.vllm.stats`): the final reports of requests finished
+        since the last call, and registry sizes; None when nothing changed. vLLM asks after the
+        step's worker outcomes are merged, so a report is counted once it is complete."""
+        counters: dict[str, int] = {}
+
+        def add(name: str, n: int) -> None:
+            if n:
+                counters[name] = counters.get(name, 0) + n
+
+        for req_id, report in self._recent.items():
+            if req_id in self._counted:
+                continue
+            self._counted.add(req_id)
+            for name in ("reused_tokens", "recomputed_tokens", "storage_reads"):
+                add(name, int(report.get(name) or 0))
+            add("prefix_cached_tokens", int(report.get("prefix_cached_tokens") or 0))
+            if report.get("fallback"):
+                add("requests|fallback", 1)
+                add(f"fallbacks|{fallback_reason(report['fallback'])}", 1)
+            elif report.get("reused_tokens") or report.get("restored_tokens"):
+                add("requests|reused", 1)
+            else:
+                add("requests|no_reuse", 1)
+        gauges = {
+            "published_segments": len(self.published),
+            "turn_records": len(self.turns),
+            "pending_keeps": len(self._keeping),
+            "plans": len(self.plans),
+        }
+        if not counters and gauges == self._gauges:
+            return None
+        self._gauges = gauges
+        return {"counters": counters, "gauges": gauges}
 
     # --- helpers --------------------------------------------------------------------------------
 

@@ -88,6 +88,8 @@ class WorkerSide:
         self.out = KMeshWorkerMetadata()
         # The blend's results for the tokens vLLM computes itself (kmesh_blend/vllm/tails.py).
         self.tails = Tails(model if self.unsupported is None else None, self._failed)
+        self._stats_seen: dict[str, Any] = {}  # segment metrics at the last `take_stats`
+        self._gauges: dict[str, int] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.unsupported is not None:
@@ -188,6 +190,26 @@ class WorkerSide:
         out.disabled = self.unsupported
         return out if (out.reports or out.published or out.disabled or out.lost
                        or out.unpublished) else None  # fmt: skip
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """Metrics payload (`kmesh_blend.vllm.stats`): segment-layer counters since the last
+        call and the host-RAM gauges; None when nothing changed."""
+        now = self.cache.metrics.as_dict()
+        seen, self._stats_seen = self._stats_seen, now
+        pairs = [(f"store_reads|{tier}", now["reads"][tier], seen.get("reads", {}).get(tier, 0))
+                 for tier in now["reads"]]  # fmt: skip
+        for ours, theirs in [("retention_hits", "hits"), ("store_misses", "misses"),
+                             ("singleflight_joins", "singleflight_joins")]:  # fmt: skip
+            pairs.append((ours, now[theirs], seen.get(theirs, 0)))
+        counters = {name: n - before for name, n, before in pairs if n != before}
+        gauges = {
+            "retained_bytes": int(now["retained_bytes"]),
+            "indexed_segments": len(self.cache.index),
+        }
+        if not counters and gauges == self._gauges:
+            return None
+        self._gauges = gauges
+        return {"counters": counters, "gauges": gauges}
 
     def close(self) -> None:
         self.tails.close()

@@ -50,21 +50,29 @@ def _stock(items: list[list[int]]) -> list[list[int]]:
     return _engine(lambda llm: [_generate(llm, ids, None)[0] for ids in items])
 
 
+# Starts LMCache's server with SO_REUSEADDR on its listening socket, so a server restarted on
+# the same port binds at once instead of waiting out the killed one's TIME_WAIT connections.
+_REUSABLE_SERVER = """
+import runpy, socket, sys
+bind = socket.socket.bind
+def reusable_bind(self, address):
+    self.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return bind(self, address)
+socket.socket.bind = reusable_bind
+sys.argv = ["lmcache.v1.server", *sys.argv[1:]]
+runpy.run_module("lmcache.v1.server", run_name="__main__")
+"""
+
+
 def _lm_server(port: int) -> subprocess.Popen[bytes]:
-    """An LMCache server on ``port``; retried while the port is still held by the last one's
-    closing connections."""
+    """A fresh LMCache server process on ``port`` (nothing stored)."""
     env = {**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"}
-    cmd = [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"]
-    for attempt in range(30):
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        try:
-            _wait_port(port, proc)
-            return proc
-        except RuntimeError:
-            if attempt == 29:
-                raise
-            time.sleep(2.0)
-    raise AssertionError("unreachable")
+    cmd = [sys.executable, "-c", _REUSABLE_SERVER, "127.0.0.1", str(port), "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    _wait_port(port, proc)
+    time.sleep(0.5)
+    assert proc.poll() is None, "the LMCache server did not keep running"
+    return proc
 
 
 def test_a_master_lost_with_its_lm_server_is_stored_again_by_the_next_reader() -> None:
@@ -126,3 +134,24 @@ def test_reports_say_why_briefly() -> None:
     assert "prompt_logprobs" in got[1][1]["fallback"] and got[1][1]["reused_tokens"] == 0
     assert len(got[2][1]["fallback"]) <= 200 and "segments" in got[2][1]["fallback"]
     assert got[3][1]["reused_tokens"] == DOC_LEN  # the engine is unharmed
+
+
+def test_an_lm_server_down_at_start_is_used_once_it_answers() -> None:
+    family = prompts(seed=9)
+    port = _free_port()
+    server: list[subprocess.Popen[bytes]] = []
+
+    def run(llm: Any) -> list[Out]:
+        out = [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in range(2)]
+        server.append(_lm_server(port))
+        out += [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in range(2, 4)]
+        return out
+
+    try:
+        got = _engine(run, store=f"lm://127.0.0.1:{port}", retention_bytes=0)
+    finally:
+        for proc in server:
+            _stop(proc)
+    reused = [r["reused_tokens"] for _, r in got]
+    assert reused[:2] == [0, 0]  # nothing could be stored: served on the stock path
+    assert reused[2:] == [0, DOC_LEN]  # the first after it answered stores, the next reuses

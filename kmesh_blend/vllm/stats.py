@@ -1,0 +1,47 @@
+"""The connector's metrics: names and payload (plain Python; the vLLM classes are in `prom`).
+
+They appear on vLLM's own ``/metrics`` and in its periodic stats log line.
+
+vLLM collects a connector's `KVConnectorStats` from both sides every step (the worker's travel
+with the model runner's output, the scheduler's are added to them), sends them to the process
+that serves ``/metrics``, and there hands them to the `KVConnectorPromMetrics` our connector
+builds. Both sides report the same shape of payload::
+
+    {"counters": {"reused_tokens": 416, "fallbacks|load error": 1, ...},   # since last report
+     "gauges": {"published_segments": 12, ...}}                              # current values
+
+A counter name may carry one label value after ``|``. Prometheus names: ``vllm:kmesh_<name>``
+(counters get ``_total``), with vLLM's engine labels, plus ``outcome`` / ``reason`` / ``tier``
+labels where the name has one.
+"""
+
+from __future__ import annotations
+
+__all__ = ["COUNTERS", "GAUGES", "fallback_reason"]
+
+# name → (help text, label name or None)
+COUNTERS: dict[str, tuple[str, str | None]] = {
+    "requests": ("Annotated requests, by outcome (reused, fallback, no_reuse)", "outcome"),
+    "reused_tokens": ("Prompt tokens whose KV came from stored segments", None),
+    "recomputed_tokens": ("Reused tokens recomputed by selective recomputation", None),
+    "storage_reads": ("Reads from the store's backing tier, per request report", None),
+    "prefix_cached_tokens": ("Leading tokens of annotated requests from vLLM's prefix cache", None),
+    "fallbacks": ("Annotated requests run without reuse, by reason", "reason"),
+    "store_reads": ("Reads from the backing tier, by store kind", "tier"),
+    "retention_hits": ("Master fetches served from host-RAM retention", None),
+    "singleflight_joins": ("Master fetches that waited for another request's read", None),
+    "store_misses": ("Master fetches the store could not serve", None),
+}
+GAUGES: dict[str, str] = {
+    "published_segments": "Segments the scheduler believes are stored",
+    "turn_records": "Kept turns of continuing siblings the scheduler knows",
+    "pending_keeps": "Turns waiting to be stored",
+    "plans": "Requests the scheduler holds a reuse plan for",
+    "retained_bytes": "Bytes of masters retained in host RAM",
+    "indexed_segments": "Segments in the worker's round-aware index",
+}
+
+
+def fallback_reason(fallback: str) -> str:
+    """The reason's kind, for a label: the text before its first colon (`docs/contract.md`)."""
+    return fallback.split(":", 1)[0].strip()[:40] or "unknown"
