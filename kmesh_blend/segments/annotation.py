@@ -14,6 +14,7 @@ form and raises `AnnotationError` with a message naming the field, the bad value
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,9 @@ class Annotation:
     """Keep the prompt's KV as mirrors so the next turn restores it (`kmesh_blend.vllm.turns`)."""
     source: Literal["params", "separator"] = "params"
 
+    def _replace_source(self, source: Literal["params", "separator"]) -> Annotation:
+        return dataclasses.replace(self, source=source)
+
     @property
     def num_shared_tokens(self) -> int:
         """Tokens covered by the spans."""
@@ -94,8 +98,9 @@ def parse_request(
     """Engine-side entry point; **never raises**.
 
     ``kv_transfer_params``: the request's dict (or ``None``); only its ``"kmesh"`` entry is read.
-    ``token_ids`` [num_tokens] and ``separator`` are used only when there is no ``"kmesh"`` entry
-    and a separator is configured (separator mode).
+    ``token_ids`` [num_tokens] and ``separator`` are used when a separator is configured
+    (separator mode) and the request has no ``"kmesh"`` entry, or one without ``"segments"``
+    (it then carries only ``family`` / ``round`` / ``prepare`` / ``keep``).
     """
     try:
         kmesh = None
@@ -104,19 +109,26 @@ def parse_request(
         elif kv_transfer_params is not None:
             bad = f"kv_transfer_params={kv_transfer_params!r} is not a dict"
             raise AnnotationError(bad, field="kv_transfer_params")
-        if kmesh is not None:
-            return ParsedRequest(parse_annotation(kmesh, num_tokens, max_model_len), None)
+        separated = None
         if separator and token_ids is not None:
             if len(token_ids) != num_tokens:
                 raise AnnotationError(
                     f"token_ids has {len(token_ids)} tokens, prompt has {num_tokens}",
                     field="token_ids",
                 )
-            spans = split_on_separator(token_ids, separator)
-            if not spans:
-                return ParsedRequest(None, None)
-            validate_spans(spans, num_tokens, max_model_len)
-            return ParsedRequest(Annotation(spans, source="separator"), None)
+            separated = split_on_separator(token_ids, separator)
+        if kmesh is not None:
+            if isinstance(kmesh, Mapping) and "segments" not in kmesh and separated is not None:
+                # Separator mode: the annotation carries only family/round/prepare/keep.
+                if not separated:
+                    return ParsedRequest(None, None)
+                annotation = parse_annotation({**kmesh, "segments": separated}, num_tokens,
+                                              max_model_len)  # fmt: skip
+                return ParsedRequest(annotation._replace_source("separator"), None)
+            return ParsedRequest(parse_annotation(kmesh, num_tokens, max_model_len), None)
+        if separated:
+            validate_spans(separated, num_tokens, max_model_len)
+            return ParsedRequest(Annotation(separated, source="separator"), None)
         return ParsedRequest(None, None)
     except AnnotationError as exc:
         return ParsedRequest(None, f"bad annotation: {exc}")

@@ -25,6 +25,7 @@ from kmesh_blend.vllm.meta import (
     SegmentRef,
 )
 from kmesh_blend.vllm.prefix_cache import Privatizer
+from kmesh_blend.vllm.registry import LruDict, LruSet
 from kmesh_blend.vllm.stats import fallback_reason
 from kmesh_blend.vllm.turns import turn_id
 
@@ -32,6 +33,8 @@ __all__ = ["SchedulerSide"]
 
 _HEAD = 16  # turn records are found by their prompt's first tokens (shorter prompts: not kept)
 _REASON_CHARS = 200  # a fallback reason echoes at most this much of the bad input
+# Registry bounds (kmesh_blend/vllm/registry.py): ids are 64 hex chars, so ≈10 MiB at most.
+_MAX_PUBLISHED, _MAX_TURNS = 1 << 16, 1 << 12
 
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
@@ -46,6 +49,8 @@ class _Plan:
     turn: tuple[str, int] | None = None  # (turn record, its prompt length) to restore
     keep: str | None = None  # turn record to store after the forward
     pending_load: bool = False
+    asked: int = -1  # num_computed_tokens of the ask that made this plan, and its answer
+    matched: int = 0
     saved: bool = False
     blocks: list[int] = field(default_factory=list)
     report: dict[str, Any] = field(
@@ -74,16 +79,21 @@ class SchedulerSide:
         self.contains = contains
         # With vLLM's prefix caching on: makes blended blocks' hashes private (prefix_cache.py).
         self.privatizer = privatizer
-        self.published: set[str] = set()
+        self.published: LruSet[str] = LruSet(_MAX_PUBLISHED)
         # Set from the worker's first output when the blend cannot run on the loaded model:
         # then every annotated request is served stock, its report naming this reason.
         self.disabled: str | None = None
         self.plans: dict[str, _Plan] = {}
         self._saving: set[str] = set()  # segments a save is already scheduled for
         # Turn records: id → (prompt length, segment uses), and prompt lengths by their head.
-        self.turns: dict[str, tuple[int, list[SegmentRef]]] = {}
-        self._turn_lengths: dict[tuple[int, ...], set[int]] = {}
+        # Turn records: id → (prompt length, segment uses, prompt head); per head, how many
+        # records have each prompt length.
+        self.turns: LruDict[str, tuple[int, list[SegmentRef], tuple[int, ...]]] = LruDict(
+            _MAX_TURNS, on_evict=self._forget_turn
+        )
+        self._turn_lengths: dict[tuple[int, ...], dict[int, int]] = {}
         self._keeping: dict[str, tuple[int, list[SegmentRef], tuple[int, ...]]] = {}
+        self._finished_keeps: list[str] = []  # records of requests finished this step
         # Reports handed out this step. A request that finishes in the step of its prefill
         # (max_tokens=1) is reported before the worker's outcome arrives later in the same
         # `update_from_output`; the outcome is merged into the same dict before vLLM emits it.
@@ -92,7 +102,21 @@ class SchedulerSide:
         self._gauges: dict[str, int] = {}
 
     def num_matched(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` the worker side will provide (0: stock path)."""
+        """Tokens beyond ``num_computed_tokens`` the worker side will provide (0: stock path).
+
+        vLLM asks again, each step, for a request that waits for memory: the answer of the first
+        ask stands (no re-hashing, no new plan) until the local prefix hit changes."""
+        old = self.plans.get(request.request_id)
+        fresh = old is not None and not old.blocks and not old.pending_load
+        if fresh and old is not None and old.asked == num_computed_tokens:
+            return old.matched
+        matched = self._num_matched(request, num_computed_tokens)
+        plan = self.plans.get(request.request_id)
+        if plan is not None:
+            plan.asked, plan.matched = num_computed_tokens, matched
+        return matched
+
+    def _num_matched(self, request: Any, num_computed_tokens: int) -> int:
         params = request.kv_transfer_params
         if params is None and not self.config.separator:
             return 0  # unannotated traffic: nothing to parse
@@ -176,6 +200,9 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any) -> KMeshMetadata:
         self._recent.clear()
         self._counted.clear()
+        for record in self._finished_keeps:  # its turn was stored by now, or never will be
+            self._keeping.pop(record, None)
+        self._finished_keeps.clear()
         meta = KMeshMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -227,10 +254,11 @@ class SchedulerSide:
         self._saving.difference_update(worker_meta.unpublished)
         for record in worker_meta.turns:
             kept = self._keeping.pop(record, None)
-            if kept is not None:
-                length, refs, head = kept
-                self.turns[record] = (length, refs)
-                self._turn_lengths.setdefault(head, set()).add(length)
+            if kept is not None and record not in self.turns:
+                length, _, head = kept
+                self.turns[record] = kept
+                counts = self._turn_lengths.setdefault(head, {})
+                counts[length] = counts.get(length, 0) + 1
         for req_id, report in worker_meta.reports.items():
             plan = self.plans.get(req_id)
             target = plan.report if plan is not None else self._recent.get(req_id)
@@ -251,6 +279,8 @@ class SchedulerSide:
         plan = self.plans.pop(request.request_id, None)
         if plan is None:
             return None
+        if plan.keep is not None:
+            self._finished_keeps.append(plan.keep)
         if self.disabled is not None and plan.report["fallback"] is None:
             plan.report["fallback"] = self.disabled  # it ran before the worker's word arrived
         self._recent[request.request_id] = plan.report
@@ -292,6 +322,16 @@ class SchedulerSide:
         return {"counters": counters, "gauges": gauges}
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _forget_turn(self, record: str, entry: tuple[int, list[SegmentRef], Any]) -> None:
+        """A turn record fell out of `turns`: its prompt length no longer needs looking up."""
+        length, _, head = entry
+        counts = self._turn_lengths.get(head, {})
+        counts[length] = counts.get(length, 1) - 1
+        if counts[length] <= 0:
+            del counts[length]
+        if not counts:
+            self._turn_lengths.pop(head, None)
 
     def _is_published(self, segment_id: str) -> bool:
         if segment_id in self.published:

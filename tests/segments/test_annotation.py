@@ -109,6 +109,28 @@ def test_separator_mode() -> None:
     assert parsed.annotation is not None and parsed.annotation.spans == ((11, 13),)
 
 
+def test_separator_mode_takes_segments_from_separators_when_the_annotation_has_none() -> None:
+    sep, ids = [7], [1, 2, 7, 3, 4, 7, 9]
+
+    def parse(kmesh: object, separator: list[int] | None = sep) -> object:
+        params = {"kmesh": kmesh}
+        return parse_request(
+            params, len(ids), max_model_len=100, token_ids=ids, separator=separator
+        )
+
+    got = parse({"family": "doc-1", "round": 2, "prepare": True})
+    assert got.annotation is not None and got.fallback is None  # type: ignore[attr-defined]
+    a = got.annotation  # type: ignore[attr-defined]
+    assert a.spans == ((0, 2), (3, 5)) and a.source == "separator"
+    assert (a.family, a.round, a.prepare) == ("doc-1", 2, True)
+    assert parse({}).annotation.spans == ((0, 2), (3, 5))  # type: ignore[attr-defined]
+    assert "round" in parse({"round": -1}).fallback  # type: ignore[attr-defined]
+    # without a separator configured, segments stay required
+    assert "missing 'segments'" in parse({}, separator=None).fallback  # type: ignore[attr-defined]
+    no_seps = parse_request({"kmesh": {}}, 3, max_model_len=100, token_ids=[1, 2, 3], separator=sep)
+    assert no_seps == (None, None)
+
+
 @st.composite
 def _span_lists(draw: st.DrawFn) -> tuple[int, list[list[int]]]:
     n = draw(st.integers(0, 60))

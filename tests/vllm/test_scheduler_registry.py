@@ -1,0 +1,89 @@
+"""The scheduler side's registries without an engine: bounded, consistent, asked once."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import kmesh_blend.vllm.scheduler_side as scheduler_module
+from kmesh_blend.config import KMeshConfig
+from kmesh_blend.segments.identity import make_namespace
+from kmesh_blend.vllm.meta import KMeshWorkerMetadata
+from kmesh_blend.vllm.registry import LruDict, LruSet
+from kmesh_blend.vllm.scheduler_side import SchedulerSide
+
+
+def _side() -> SchedulerSide:
+    ns = make_namespace("m", torch.float32, num_layers=2, num_kv_heads=1, head_dim=32, rope={})
+    return SchedulerSide(KMeshConfig(), ns, max_model_len=4096)
+
+
+def _request(req_id: str, spans: list[list[int]] | None, n: int = 64, **kw: Any) -> Any:
+    params = {"kmesh": {"segments": spans, **kw}} if spans is not None else None
+    return SimpleNamespace(request_id=req_id, kv_transfer_params=params,
+                           prompt_token_ids=list(range(3, 3 + n)), cache_salt=None)  # fmt: skip
+
+
+def test_a_request_waiting_for_memory_is_planned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    side, calls = _side(), []
+    real = scheduler_module.segment_ids
+    monkeypatch.setattr(scheduler_module, "segment_ids", lambda *a: calls.append(1) or real(*a))
+    req = _request("r", [[4, 40]])
+    assert side.num_matched(req, 0) == 0  # nothing stored yet
+    assert side.num_matched(req, 0) == 0 and len(calls) == 1  # asked again: same answer
+    assert side.num_matched(req, 32) == 0 and len(calls) == 2  # another prefix hit: re-planned
+
+
+def test_lost_masters_are_unpublished_and_the_failed_request_stores_them() -> None:
+    side = _side()
+    req = _request("r", [[4, 40]])
+    side.num_matched(req, 0)
+    segment = side.plans["r"].segments[0].segment_id
+    side.published.add(segment)
+    assert side.num_matched(_request("f", [[4, 40]]), 0) == 62  # all but the tail
+    side.after_alloc(_request("f", [[4, 40]]), None, 62)
+    side.plans["f"].blocks = [0, 1]  # scheduled
+    out = KMeshWorkerMetadata(reports={"f": {"fallback": "load error: miss"}}, lost=[segment])
+    side.on_worker_output(out)
+    assert segment not in side.published
+    assert side.plans["f"].saves[0].segment_id == segment and not side.plans["f"].saved
+
+
+def test_registries_are_bounded() -> None:
+    s: LruSet[int] = LruSet(3)
+    s.update([1, 2, 3])
+    assert 1 in s  # checking makes it the newest
+    s.add(4)
+    assert 2 not in s and 1 in s and len(s) == 3
+    evicted: list[tuple[int, str]] = []
+    d: LruDict[int, str] = LruDict(2, on_evict=lambda k, v: evicted.append((k, v)))
+    d[1], d[2], d[3] = "a", "b", "c"
+    assert evicted == [(1, "a")] and d.get(2) == "b" and len(d) == 2
+    with pytest.raises(ValueError, match="capacity"):
+        LruSet(0)
+
+
+def test_evicted_turn_records_leave_no_lookup_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler_module, "_MAX_TURNS", 2)
+    side = _side()
+    for i in range(3):
+        record, head = f"t{i}", (i,) * 16
+        side._keeping[record] = (100 + i, [], head)
+        side.on_worker_output(KMeshWorkerMetadata(turns=[record]))
+    assert len(side.turns) == 2 and "t0" not in side.turns
+    assert (0,) * 16 not in side._turn_lengths and side._turn_lengths[(2,) * 16] == {102: 1}
+
+
+def test_keeps_of_finished_requests_that_were_never_stored_are_dropped() -> None:
+    side = _side()
+    req = _request("r", [[4, 40]], keep=True)
+    side.num_matched(req, 0)
+    side.plans["r"].keep = "rec"
+    side._keeping["rec"] = (64, [], (0,) * 16)
+    side.finished(req)
+    side.build_meta(SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
+                                    scheduled_cached_reqs=SimpleNamespace(req_ids=[])))  # fmt: skip
+    assert side._keeping == {}
