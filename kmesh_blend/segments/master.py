@@ -8,16 +8,19 @@ Layout (what `MasterStore.put` takes and `MasterStore.get` returns)::
 
 In LMCache the KV is stored as one memory object in LMCache's own chunk layout ``KV_2LTD``
 (``[2, L, T, Hkv*D]``), so the stored bytes read as a normal LMCache KV object. Our metadata
-(`MasterMeta`: token count, shape, dtype, positions and a checksum of the KV bytes) is a second,
+(`MasterMeta`: token count, shape, dtype, positions, a checksum of the KV bytes and a *seal*
+binding all of them to the segment id, see `master_seal`) is a second,
 small ``uint8`` object under its own key, because LMCache's remote backends keep only
 shape/dtype/format and drop ``cached_positions``. The metadata object is written *after* the KV
 and read *first*, so it doubles as a commit marker; a KV whose checksum does not match is never
-served.
+served, nor one whose positions were altered or that was stored under another segment's id.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import hmac
 import json
 import struct
 import sys
@@ -27,9 +30,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Master", "MasterLayout", "MasterMeta", "kv_checksum"]
+__all__ = ["Master", "MasterLayout", "MasterMeta", "kv_checksum", "master_seal"]
 
-_FORMAT = 1  # bump when the metadata byte layout changes
+_FORMAT = 2  # bump when the metadata byte layout changes (2: the seal)
 _HEADER = struct.Struct("<4sI")  # magic, JSON length
 _MAGIC = b"KMM1"
 
@@ -118,6 +121,8 @@ class MasterMeta:
     checksum: str
     """`kv_checksum` of the KV bytes."""
     positions: tuple[int, ...]
+    seal: str = ""
+    """`master_seal` of these fields for the segment id the master was stored under."""
 
     def encode(self) -> bytes:
         """Header (magic, JSON length), JSON fields, positions as little-endian int64."""
@@ -128,6 +133,7 @@ class MasterMeta:
                 "shape": list(self.shape),
                 "dtype": self.dtype,
                 "checksum": self.checksum,
+                "seal": self.seal,
             },
             separators=(",", ":"),
         ).encode()
@@ -150,7 +156,30 @@ class MasterMeta:
         if len(rest) != 8 * num:
             raise ValueError(f"master metadata holds {len(rest)} position bytes, want {8 * num}")
         positions = struct.unpack(f"<{num}q", rest)
-        return cls(num, tuple(head["shape"]), str(head["dtype"]), str(head["checksum"]), positions)
+        return cls(
+            num, tuple(head["shape"]), str(head["dtype"]), str(head["checksum"]), positions,
+            str(head.get("seal", "")),
+        )  # fmt: skip
+
+    def sealed(self, segment_id: str) -> MasterMeta:
+        """This metadata with its seal for ``segment_id``."""
+        return dataclasses.replace(self, seal=master_seal(segment_id, self))
+
+    def seal_holds(self, segment_id: str) -> bool:
+        """Whether this metadata was sealed for ``segment_id`` and is unchanged since."""
+        return bool(self.seal) and hmac.compare_digest(self.seal, master_seal(segment_id, self))
+
+
+def master_seal(segment_id: str, meta: MasterMeta) -> str:
+    """BLAKE2b-128 over the segment id (which holds the namespace: model, weights, dtype,
+    layout, RoPE, salt), token count, shape, dtype, positions and the KV checksum, hex. A master
+    is accepted only under the id it was sealed for, with the positions it was computed at."""
+    h = hashlib.blake2b(digest_size=16, person=b"kmesh-master")
+    fields = [segment_id, str(meta.num_tokens), ",".join(map(str, meta.shape)), meta.dtype,
+              meta.checksum]  # fmt: skip
+    h.update("\0".join(fields).encode())
+    h.update(struct.pack(f"<{len(meta.positions)}q", *meta.positions))
+    return h.hexdigest()
 
 
 def kv_checksum(kv: torch.Tensor) -> str:

@@ -74,7 +74,7 @@ class LMCacheMasterStore:
         L, _, T, H, D = kv.shape
         meta = MasterMeta(
             T, tuple(kv.shape), self.layout.dtype, kv_checksum(kv), tuple(positions.tolist())
-        )
+        ).sealed(segment_id)
         blob = meta.encode()
         with self._lock:
             kv_obj = self._backend.allocate((2, L, T, H * D), self._dtype)
@@ -184,6 +184,8 @@ class LMCacheMasterStore:
             meta = MasterMeta.decode(bytes(meta_obj.tensor.reshape(-1).numpy().tobytes()))
         finally:
             meta_obj.ref_count_down()
+        if not meta.seal_holds(segment_id):
+            return self._corrupt(segment_id, "metadata not sealed for this segment")
         kv_obj = self._backend.get(self._key(_KV_PREFIX, segment_id, self._dtype))
         if kv_obj is None:
             return None

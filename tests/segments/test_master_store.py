@@ -6,14 +6,17 @@ positions included, and must refuse a master whose bytes were tampered with.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from kmesh_blend.segments.identity import make_namespace, segment_id
+from kmesh_blend.segments.lmcache_tiers import make_key
 from kmesh_blend.segments.master import MasterLayout, MasterMeta
 from kmesh_blend.segments.store import LMCacheMasterStore, open_store
 
@@ -115,3 +118,39 @@ def test_meta_codec() -> None:
         MasterMeta.decode(b"XXXX" + meta.encode()[4:])
     with pytest.raises(ValueError):
         MasterMeta.decode(meta.encode()[:-8])
+
+
+def _overwrite(store: LMCacheMasterStore, prefix: str, sid: str, obj_bytes: Any) -> None:
+    """Replace one stored object of ``sid`` (an attacker with write access to the store)."""
+    from kmesh_blend.segments.lmcache_tiers import make_key
+
+    tensor, dtype = obj_bytes
+    obj = store._backend.allocate(tuple(tensor.shape), dtype)
+    obj.tensor.copy_(tensor)
+    key = make_key(prefix, sid, dtype)
+    if store.tier in ("cpu", "disk"):
+        store._backend.remove(key)
+    store._backend.put(key, obj)
+    obj.ref_count_down()
+
+
+def test_altered_positions_and_swapped_documents_are_refused(store: LMCacheMasterStore) -> None:
+    sid, kv, pos = _master(21, 8)
+    other, other_kv, other_pos = _master(22, 8)
+    assert store.put(sid, kv, pos) and store.put(other, other_kv, other_pos)
+    # positions altered in the metadata (the KV and its checksum untouched)
+    meta = store._backend.get(make_key("kmesh-meta", sid, torch.uint8))
+    decoded = MasterMeta.decode(bytes(meta.tensor.reshape(-1).numpy().tobytes()))
+    meta.ref_count_down()
+    moved = dataclasses.replace(decoded, positions=tuple(p + 1 for p in decoded.positions))
+    blob = torch.frombuffer(bytearray(moved.encode()), dtype=torch.uint8)
+    _overwrite(store, "kmesh-meta", sid, (blob.view(1, 1, 1, -1), torch.uint8))
+    assert store.get(sid) is None and store.num_corrupt == 1
+    # another document's consistent master (KV + metadata) placed under this one's keys
+    for prefix, dtype in (("kmesh", torch.bfloat16), ("kmesh-meta", torch.uint8)):
+        obj = store._backend.get(make_key(prefix, other, dtype))
+        tensor = obj.tensor.clone()
+        obj.ref_count_down()
+        _overwrite(store, prefix, sid, (tensor, dtype))
+    assert store.get(sid) is None and store.num_corrupt == 2
+    assert store.get(other) is not None  # the original is still good under its own id
