@@ -189,13 +189,23 @@ def _decode_planes(stored: memoryview, planes: list[int], raw_rows: int) -> byte
         chunk = bytes(stored[at : at + size])
         at += size
         try:
-            data = chunk if length < 0 else zlib.decompress(chunk)
+            data = chunk if length < 0 else _inflate(chunk, per)
         except zlib.error as exc:
             raise MirrorFormatError(f"mirror plane {i} does not decompress: {exc}") from None
         if len(data) != per:
             raise MirrorFormatError(f"mirror plane {i} holds {len(data)} bytes, want {per}")
         out[:, i] = np.frombuffer(data, dtype=np.uint8)
     return out.tobytes()
+
+
+def _inflate(chunk: bytes, size: int) -> bytes:
+    """zlib ``chunk`` → at most ``size`` + 1 bytes: a plane that would inflate past its size
+    (a corrupt or hostile object) stops there instead of filling memory."""
+    inflater = zlib.decompressobj()
+    data = inflater.decompress(chunk, size + 1)
+    if len(data) > size or inflater.unconsumed_tail or not inflater.eof:
+        raise zlib.error(f"the plane does not inflate to exactly {size} bytes")
+    return data
 
 
 def _digest(n: int, body: bytes | memoryview) -> bytes:

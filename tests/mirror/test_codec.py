@@ -164,3 +164,17 @@ def test_intact_blob_decodes(compress: bool) -> None:
     blob, mirror = _blob(compress)
     back, _ = decode(blob)
     assert torch.equal(bits(back.rows), bits(mirror.rows)) and back.rows.shape[0] > 0
+
+
+def test_a_plane_that_would_inflate_past_its_size_stops_there() -> None:
+    """A hostile compressed plane (a "zip bomb") is refused after at most size + 1 bytes."""
+    import zlib
+
+    from kmesh_blend.mirror import wire
+
+    bomb = zlib.compress(b"\0" * (64 << 20), 9)  # 64 MiB from ≈ 64 KiB
+    with pytest.raises(zlib.error, match="exactly 16 bytes"):
+        wire._inflate(bomb, 16)
+    assert wire._inflate(zlib.compress(b"x" * 16), 16) == b"x" * 16
+    with pytest.raises(zlib.error):
+        wire._inflate(zlib.compress(b"x" * 16)[:-3], 16)  # cut short
