@@ -64,6 +64,7 @@ class LMCacheMasterStore:
         self._backend = LMCacheTier(spec, layout, cpu_bytes=cpu_bytes)
         self._lock = threading.Lock()
         self.num_corrupt = 0
+        self.last_error = ""  # why the last refused `put` was refused, in words
 
     def _key(self, prefix: str, object_id: str, dtype: torch.dtype) -> Any:
         return make_key(prefix, object_id, dtype, self.layout.rank, self.layout.world_size)
@@ -81,7 +82,8 @@ class LMCacheMasterStore:
             meta_obj = self._backend.allocate((1, 1, 1, len(blob)), torch.uint8)
             try:
                 if kv_obj is None or meta_obj is None:
-                    log.warning("kmesh store %s: no room for %d bytes", self.tier, master.nbytes)
+                    self.last_error = f"no room for {master.nbytes} bytes in its host-RAM pool"
+                    log.warning("kmesh store %s: %s", self.tier, self.last_error)
                     return False
                 # [L, 2, T, Hkv, D] -> LMCache's KV_2LTD [2, L, T, Hkv*D] (one strided copy)
                 kv_obj.tensor.copy_(kv.permute(1, 0, 2, 3, 4).reshape(2, L, T, H * D))
@@ -91,7 +93,8 @@ class LMCacheMasterStore:
                 self._backend.put(self._key(_META_PREFIX, segment_id, torch.uint8), meta_obj)
                 return True
             except Exception as exc:  # the tier is unreachable or refused: no reuse, no crash
-                log.warning("kmesh store %s: put failed: %s", self.tier, exc)
+                self.last_error = f"put failed: {type(exc).__name__}: {exc}"
+                log.warning("kmesh store %s: %s", self.tier, self.last_error)
                 return False
             finally:
                 for obj in (kv_obj, meta_obj):

@@ -159,7 +159,9 @@ class KMeshConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
-        return KMeshStats(dict(data or {}))
+        data = data or {}
+        return KMeshStats({"counters": dict(data.get("counters", {})),
+                           "gauges": dict(data.get("gauges", {}))})  # fmt: skip
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],

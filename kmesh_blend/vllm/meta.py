@@ -81,6 +81,7 @@ class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
     disabled: str | None = None  # why reuse cannot run in this engine (unsupported model)
     lost: list[str] = field(default_factory=list)  # believed stored, but could not be read
     unpublished: list[str] = field(default_factory=list)  # scheduled saves that did not store
+    store_errors: dict[str, str] = field(default_factory=dict)  # segment id → why not stored
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KMeshWorkerMetadata):
@@ -91,4 +92,5 @@ class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
             self.disabled = self.disabled or other.disabled
             self.lost.extend(other.lost)
             self.unpublished.extend(other.unpublished)
+            self.store_errors.update(other.store_errors)
         return self

@@ -21,11 +21,13 @@ class KMeshStats(KVConnectorStats):
         self.data.clear()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        counters = self.data.setdefault("counters", {})
+        """A new `KMeshStats`: counters summed, gauges from ``other`` where it has them. Neither
+        input is changed (vLLM keeps and re-reads the payloads it has aggregated)."""
+        counters = dict(self.data.get("counters", {}))
         for name, n in other.data.get("counters", {}).items():
             counters[name] = counters.get(name, 0) + n
-        self.data.setdefault("gauges", {}).update(other.data.get("gauges", {}))
-        return self
+        gauges = {**self.data.get("gauges", {}), **other.data.get("gauges", {})}
+        return KMeshStats({"counters": counters, "gauges": gauges})
 
     def reduce(self) -> dict[str, int | float]:
         return {**self.data.get("counters", {}), **self.data.get("gauges", {})}

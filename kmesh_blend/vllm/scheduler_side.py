@@ -85,6 +85,8 @@ class SchedulerSide:
         self.disabled: str | None = None
         self.plans: dict[str, _Plan] = {}
         self._saving: set[str] = set()  # segments a save is already scheduled for
+        # Segments whose last save the store refused → why: reported to their next readers.
+        self.unstored: LruDict[str, str] = LruDict(_MAX_PUBLISHED)
         # Turn records: id → (prompt length, segment uses), and prompt lengths by their head.
         # Turn records: id → (prompt length, segment uses, prompt head); per head, how many
         # records have each prompt length.
@@ -185,7 +187,15 @@ class SchedulerSide:
             r for r in refs if r.end > num_computed_tokens and self._is_published(r.segment_id)
         ]
         plan.saves = [r for r in refs if r not in plan.loads]
-        if not plan.loads or len(tokens) - VLLM_TAIL <= num_computed_tokens:
+        if not plan.loads:
+            refused = [(r, self.unstored.get(r.segment_id)) for r in refs]
+            ref, why = next(((r, w) for r, w in refused if w), (None, None))
+            if ref is not None:  # stored before? the store could not take it
+                plan.report["fallback"] = _short(
+                    f"not stored: segment {ref.segment_id[:16]}: {why}"
+                )
+            return 0
+        if len(tokens) - VLLM_TAIL <= num_computed_tokens:
             return 0
         if annotation.keep and len(tokens) >= _HEAD:
             plan.keep = turn_id(namespace, tokens)
@@ -252,6 +262,10 @@ class SchedulerSide:
         # request that computes it stores it again.
         self.published.difference_update(worker_meta.lost)
         self._saving.difference_update(worker_meta.unpublished)
+        for segment_id, why in worker_meta.store_errors.items():
+            self.unstored[segment_id] = why
+        for segment_id in worker_meta.published:
+            self.unstored.pop(segment_id)
         for record in worker_meta.turns:
             kept = self._keeping.pop(record, None)
             if kept is not None and record not in self.turns:

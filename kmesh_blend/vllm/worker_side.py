@@ -180,6 +180,8 @@ class WorkerSide:
                 else:
                     log.warning("kmesh: could not store segment %s", ref.segment_id[:16])
                     self.out.unpublished.append(ref.segment_id)
+                    why = getattr(self.store, "last_error", "") or "the store refused it"
+                    self.out.store_errors[ref.segment_id] = f"{self.store.tier} store: {why}"
 
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()

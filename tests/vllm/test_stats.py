@@ -12,6 +12,7 @@ def test_counters_add_and_gauges_take_the_latest() -> None:
     )
     b = KMeshStats({"counters": {"reused_tokens": 5, "store_reads|lm": 2}, "gauges": {"plans": 1}})
     merged = a.aggregate(b)
+    assert a.data["counters"]["reused_tokens"] == 10  # the inputs are left as they were
     assert merged.data["counters"] == {
         "reused_tokens": 15,
         "fallbacks|load error": 1,

@@ -155,3 +155,19 @@ def test_an_lm_server_down_at_start_is_used_once_it_answers() -> None:
     reused = [r["reused_tokens"] for _, r in got]
     assert reused[:2] == [0, 0]  # nothing could be stored: served on the stock path
     assert reused[2:] == [0, DOC_LEN]  # the first after it answered stores, the next reuses
+
+
+def test_a_store_too_small_for_one_master_says_so() -> None:
+    family = prompts(seed=10)
+    master = 4 * 2 * DOC_LEN * TINY_LLAMA.num_kv_heads * TINY_LLAMA.head_dim * 4
+
+    def run(llm: Any) -> list[Out]:
+        return [_generate(llm, ids, {"segments": spans}) for ids, spans in family[:3]]
+
+    got = _engine(run, store="cpu", retention_bytes=0, store_cpu_bytes=master // 2)
+    first, *later = [r for _, r in got]
+    assert first["fallback"] is None and first["reused_tokens"] == 0  # its reader: nothing to say
+    for report in later:
+        assert report["reused_tokens"] == 0
+        assert "not stored" in report["fallback"] and "no room" in report["fallback"]
+        assert len(report["fallback"]) <= 200
