@@ -48,6 +48,9 @@ def test_reuse_counters_and_registry_sizes_on_vllm_metrics(tmp_path: Path) -> No
         "--enforce-eager", "--kv-transfer-config", json.dumps(config),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # An in-process engine of an earlier test may have set vLLM's Prometheus multiprocess
+    # directory in this process: a server inheriting it would add up earlier servers' counters.
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     with open(tmp_path / "server.log", "wb") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:

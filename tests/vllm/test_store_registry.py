@@ -11,8 +11,10 @@ import gc
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,13 +67,20 @@ runpy.run_module("lmcache.v1.server", run_name="__main__")
 
 
 def _lm_server(port: int) -> subprocess.Popen[bytes]:
-    """A fresh LMCache server process on ``port`` (nothing stored)."""
-    env = {**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"}
+    """A fresh LMCache server process on ``port`` (nothing stored), once it says it listens:
+    an answer on the port alone could come from another process."""
+    env = {**os.environ, "LMCACHE_LOG_LEVEL": "INFO"}
+    fd, name = tempfile.mkstemp(prefix="lm-server-", suffix=".log")
     cmd = [sys.executable, "-c", _REUSABLE_SERVER, "127.0.0.1", str(port), "cpu"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, env=env)
+    os.close(fd)  # the child keeps its own descriptor
+    deadline = time.monotonic() + 60
+    while b"Server started at" not in Path(name).read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(proc)
+            raise RuntimeError(f"LMCache server on {port} did not start: {name}")
+        time.sleep(0.1)
     _wait_port(port, proc)
-    time.sleep(0.5)
-    assert proc.poll() is None, "the LMCache server did not keep running"
     return proc
 
 
