@@ -81,7 +81,7 @@ class Workload(NamedTuple):
     label: str  # model in the plot title
     path: Path  # checkpoint directory
     doc_len: int  # tokens of the shared document
-    rounds: list[tuple[Prompt, list[list[int]]]]  # per round: annotated follow-up, unannotated ones
+    rounds: list[tuple[Prompt, list[int]]]  # per round: annotated follow-up, unannotated one
     reader: Prompt  # the first reader: publishes the document's master
     warmup: Callable[[], list[int]]  # a fresh prompt for each unmeasured warm-up request
     tokens: int  # follow-up length (median over the annotated follow-ups)
@@ -104,7 +104,7 @@ def bench_workload(doc_len: int, rounds: int) -> Workload:
         private, question = tokens(64), tokens(32)
         return private + doc + question, [[64, 64 + doc_len]]
 
-    rounds_ids = [(follow_up(), [follow_up()[0]]) for _ in range(rounds)]
+    rounds_ids = [(follow_up(), follow_up()[0]) for _ in range(rounds)]
     reader = follow_up()
     return Workload(
         "follow_up_ttft", BENCH_LLAMA.name, "bench model", path, doc_len, rounds_ids, reader,
@@ -223,7 +223,7 @@ def smollm2_workload(doc_len: int, rounds: int) -> Workload:
     annotated follow-up and one unannotated, all distinct."""
     path, prompts, details = smollm2_prompts(doc_len, 2 * rounds + 1)
     reader, rest = prompts[0], prompts[1:]
-    rounds_ids = [(rest[2 * r], [rest[2 * r + 1][0]]) for r in range(rounds)]
+    rounds_ids = [(rest[2 * r], rest[2 * r + 1][0]) for r in range(rounds)]
     lengths = [len(ids) for (ids, _), _ in rounds_ids]
     gen = torch.Generator().manual_seed(0)
     warm_len = int(statistics.median(lengths))
@@ -270,13 +270,10 @@ def main() -> None:
     make_workload = bench_workload if args.model == "bench" else smollm2_workload
     work = make_workload(doc_len, rounds)
     if args.workload == "mixed":
-        # two chats per round: sub-second requests need more samples for a stable median
-        chats, chat_details = shared_system_chats(
-            args.model, work.path, 2 * rounds, system_len=1024
-        )
+        chats, chat_details = shared_system_chats(args.model, work.path, rounds, system_len=1024)
         work = work._replace(
             name=f"{work.name}_mixed",
-            rounds=[(pair[0], chats[2 * i : 2 * i + 2]) for i, pair in enumerate(work.rounds)],
+            rounds=[(pair[0], chat) for pair, chat in zip(work.rounds, chats, strict=True)],
             details={**work.details, **chat_details},
         )
 
@@ -297,12 +294,11 @@ def main() -> None:
         for _ in range(3):  # warm-up, unmeasured
             ttft(stock, work.warmup(), None)
         hits = []
-        for (ids, _), plains in progress(work.rounds, "stock rounds"):
+        for (ids, _), plain in progress(work.rounds, "stock rounds"):
             times["stock"].append(ttft(stock, ids, None)[0])
-            for plain in plains:
-                t, out = ttft(stock, plain, None)
-                times["stock_plain"].append(t)
-                hits.append(int(out.num_cached_tokens or 0))
+            t, out = ttft(stock, plain, None)
+            times["stock_plain"].append(t)
+            hits.append(int(out.num_cached_tokens or 0))
         cached["stock"].append(hits)
         del stock
         gc.collect()
@@ -326,14 +322,13 @@ def main() -> None:
         ttft(kmesh, work.warmup(), None)
     _, reader = ttft(kmesh, *work.reader)  # publishes the document's master
     reports, hits = [], []
-    for (ids, spans), plains in progress(work.rounds, "kmesh rounds"):
+    for (ids, spans), plain in progress(work.rounds, "kmesh rounds"):
         t, out = ttft(kmesh, ids, spans)
         times["kmesh"].append(t)
         reports.append(out.kv_transfer_params["kmesh"])
-        for plain in plains:
-            t, out = ttft(kmesh, plain, None)
-            times["kmesh_plain"].append(t)
-            hits.append(int(out.num_cached_tokens or 0))
+        t, out = ttft(kmesh, plain, None)
+        times["kmesh_plain"].append(t)
+        hits.append(int(out.num_cached_tokens or 0))
     cached["kmesh"].append(hits)
     del kmesh
     gc.collect()
