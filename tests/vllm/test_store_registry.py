@@ -8,6 +8,7 @@ document again, so the next follow-up reuses it. Reports say why reuse was skipp
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from tests.segments.conftest import _free_port, _stop, _wait_port
 from tests.vllm.family import DOC_LEN, kv_transfer_config, prompts
 
 pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parents[2]
 
 Out = tuple[list[int], dict[str, Any]]
 
@@ -85,23 +87,13 @@ def _lm_server(port: int) -> subprocess.Popen[bytes]:
 
 
 def test_a_master_lost_with_its_lm_server_is_stored_again_by_the_next_reader() -> None:
-    family = prompts(seed=5)
-    items = [ids for ids, _ in family]
-    spans = [{"segments": s} for _, s in family]
-    port = _free_port()
-    server = [_lm_server(port)]
-
-    def run(llm: Any) -> list[Out]:
-        out = [_generate(llm, items[i], spans[i]) for i in range(2)]  # publish, reuse
-        _stop(server[0])  # every master is gone with it; the same port comes back empty
-        server[0] = _lm_server(port)
-        out += [_generate(llm, items[i], spans[i]) for i in range(2, 5)]
-        return out
-
-    try:
-        got = _engine(run, store=f"lm://127.0.0.1:{port}", retention_bytes=0)
-    finally:
-        _stop(server[0])
+    """Reuse, `lm://` server killed and restarted empty, then three more follow-ups (in a fresh
+    process: tests/vllm/lm_restart_proc.py)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.vllm.lm_restart_proc"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    got = json.loads(lines[-1][len("RESULT ") :])
     reports = [r for _, r in got]
     assert reports[1]["reused_tokens"] == DOC_LEN
     assert reports[2]["reused_tokens"] == 0 and "load error" in reports[2]["fallback"]
@@ -109,7 +101,7 @@ def test_a_master_lost_with_its_lm_server_is_stored_again_by_the_next_reader() -
     # The failed follow-up was recomputed and stored the document again: reuse resumes.
     assert [r["reused_tokens"] for r in reports[3:]] == [DOC_LEN, DOC_LEN]
     assert all(r["fallback"] is None for r in reports[3:])
-    assert got[2][0] == _stock([items[2]])[0]  # the failed one: the stock path's tokens
+    assert got[2][0] == _stock([prompts(seed=5)[2][0]])[0]  # the failed one: stock's tokens
 
 
 def test_a_master_evicted_under_the_store_budget_is_stored_again() -> None:
