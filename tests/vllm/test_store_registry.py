@@ -86,10 +86,6 @@ def _lm_server(port: int) -> subprocess.Popen[bytes]:
     return proc
 
 
-@pytest.mark.skip(
-    reason="passes alone, fails in full-suite runs (a master that should be gone is still "
-    "served, cause not found yet: issue 15 notes)"
-)
 def test_a_master_lost_with_its_lm_server_is_stored_again_by_the_next_reader() -> None:
     """Reuse, `lm://` server killed and restarted empty, then three more follow-ups (in a fresh
     process: tests/vllm/lm_restart_proc.py)."""
@@ -108,10 +104,6 @@ def test_a_master_lost_with_its_lm_server_is_stored_again_by_the_next_reader() -
     assert got[2][0] == _stock([prompts(seed=5)[2][0]])[0]  # the failed one: stock's tokens
 
 
-@pytest.mark.skip(
-    reason="passes alone, fails in full-suite runs (a master that should be gone is still "
-    "served, cause not found yet: issue 15 notes)"
-)
 def test_a_master_evicted_under_the_store_budget_is_stored_again() -> None:
     """The cpu store holds one master (retention off): reading a second document evicts the
     first; its next follow-up misses once, and the one after reuses again."""
