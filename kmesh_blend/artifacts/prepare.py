@@ -86,7 +86,7 @@ class _NoticeAdapter:
             try:
                 got: Fetched | None = self._store.get(key, family=family)
             except ArtifactError as exc:
-                log.warning("kmesh: preparing %r for family %r failed: %s", key, family, exc)
+                log.warning("kmesh: preparing %r for family %r failed: %s", key, family, str(exc))
                 got = None
             self.fetched.append(got)
             out.append(

@@ -140,7 +140,7 @@ class MirrorStore:
             mirror, header = decode(blob)
         except MirrorFormatError as exc:
             self.num_corrupt += 1
-            log.warning("kmesh mirror %s… rejected: %s", mid[:12], exc)
+            log.warning("kmesh mirror %s… rejected: %s", mid[:12], str(exc))
             self.drop(mid)
             return MirrorFetch(None, None, f"corrupt mirror: {exc}")
         if header.predictor != PREDICTOR:

@@ -126,7 +126,7 @@ class SegmentCache:
             self.metrics.fallback("load_timeout")
             return FetchResult(None, "fallback", 0)
         except Exception as exc:  # SingleFlightError, or the loader's own error
-            log.warning("kmesh: fetch of %s… failed: %s", segment_id[:12], exc)
+            log.warning("kmesh: fetch of %s… failed: %s", segment_id[:12], str(exc))
             self.metrics.fallback("load_error")
             return FetchResult(None, "fallback", 1 if self._flight is None else 0)
         if master is None:

@@ -114,7 +114,7 @@ class LMCacheTier:
             except OSError as exc:  # serve without reuse; every later operation reconnects
                 log.warning(
                     "kmesh.store lm://%s:%s is unreachable (%s); reuse starts when it answers",
-                    spec.host, spec.port, exc,
+                    spec.host, spec.port, str(exc),
                 )  # fmt: skip
         elif spec.kind == "redis":
             from lmcache.v1.storage_backend.connector.redis_connector import RedisConnector
@@ -204,7 +204,7 @@ class LMCacheTier:
         except Exception as exc:
             if self.kind != "lm":
                 raise
-            log.warning("kmesh store lm: %s; reconnecting to %s:%s", exc, *self._address)
+            log.warning("kmesh store lm: %s; reconnecting to %s:%s", str(exc), *self._address)
             self._reopen()
             return self._run(op())
 

@@ -106,7 +106,7 @@ class LMCacheMasterStore:
             try:
                 return self._get_locked(segment_id)
             except Exception as exc:
-                log.warning("kmesh store %s: get failed: %s", self.tier, exc)
+                log.warning("kmesh store %s: get failed: %s", self.tier, str(exc))
                 return None
 
     def contains(self, segment_id: SegmentId) -> bool:
@@ -125,7 +125,7 @@ class LMCacheMasterStore:
                 self._backend.remove(self._key(_KV_PREFIX, segment_id, self._dtype))
                 return gone
             except Exception as exc:
-                log.warning("kmesh store %s: delete failed: %s", self.tier, exc)
+                log.warning("kmesh store %s: delete failed: %s", self.tier, str(exc))
                 return False
 
     def close(self) -> None:
@@ -148,7 +148,7 @@ class LMCacheMasterStore:
                 self._backend.put(self._key(_BLOB_PREFIX, object_id, torch.uint8), obj)
                 return True
             except Exception as exc:
-                log.warning("kmesh store %s: put_blob failed: %s", self.tier, exc)
+                log.warning("kmesh store %s: put_blob failed: %s", self.tier, str(exc))
                 return False
             finally:
                 if obj is not None:
@@ -166,7 +166,7 @@ class LMCacheMasterStore:
                 finally:
                     obj.ref_count_down()
             except Exception as exc:
-                log.warning("kmesh store %s: get_blob failed: %s", self.tier, exc)
+                log.warning("kmesh store %s: get_blob failed: %s", self.tier, str(exc))
                 return None
 
     def delete_blob(self, object_id: SegmentId) -> bool:
@@ -174,7 +174,7 @@ class LMCacheMasterStore:
             try:
                 return self._backend.remove(self._key(_BLOB_PREFIX, object_id, torch.uint8))
             except Exception as exc:
-                log.warning("kmesh store %s: delete_blob failed: %s", self.tier, exc)
+                log.warning("kmesh store %s: delete_blob failed: %s", self.tier, str(exc))
                 return False
 
     # -- helpers -------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["make_llm", "prompt_logprobs"]
+__all__ = ["leaked_connector", "make_llm", "prompt_logprobs"]
 
 _ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -44,3 +44,21 @@ def prompt_logprobs(output: Any) -> list[float]:
     ids = output.prompt_token_ids
     pairs = zip(ids[1:], output.prompt_logprobs[1:], strict=True)
     return [float(entry[tok].logprob) for tok, entry in pairs]
+
+
+def leaked_connector() -> bool:
+    """Whether an in-process engine left vLLM's process-wide KV connector behind, and drop it.
+
+    vLLM sets that connector when a worker starts and clears it when the engine shuts down. An
+    engine whose start failed after its worker began (our connector refusing a setting, say)
+    never shuts down, and every later in-process engine, stock ones too, then finds a connector
+    it never asked for and fails on its first step. Returns ``False`` when vLLM was never
+    imported.
+    """
+    import sys
+
+    state = sys.modules.get("vllm.distributed.kv_transfer.kv_transfer_state")
+    if state is None or not state.has_kv_transfer_group():
+        return False
+    state.ensure_kv_transfer_shutdown()
+    return True

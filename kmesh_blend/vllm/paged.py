@@ -77,7 +77,7 @@ class PagedLayout:
                 attn_layer, k.to(cache.device), v.to(cache.device), probe, slots.to(cache.device)
             )
         except Exception as exc:  # the backend refused a scratch tensor: do not guess
-            log.warning("kmesh: probing the KV cache layout failed (%s); reuse disabled", exc)
+            log.warning("kmesh: probing the KV cache layout failed (%s); reuse disabled", str(exc))
             return None
         for name, views in candidates.items():
             try:

@@ -356,7 +356,7 @@ class SchedulerSide:
                     self.published.add(segment_id)
                     return True
             except Exception as exc:  # a shared store that cannot answer means: recompute
-                log.warning("kmesh: store lookup failed (%s); treating segment as absent", exc)
+                log.warning("kmesh: store lookup failed (%s); treating segment as absent", str(exc))
         return False
 
     def _find_turn(

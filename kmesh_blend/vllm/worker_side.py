@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -151,7 +152,10 @@ class WorkerSide:
                 report["reused_tokens"] = int(result.num_reused)
                 report["recomputed_tokens"] = int(result.num_recomputed)
         except Exception as exc:  # never serve doubtful KV: the whole group recomputes
-            log.exception("kmesh: blend failed; %d requests recompute", len(ready))
+            # The traceback as text: a record holding the exception would keep the engine's
+            # frames (and the engine) alive for as long as a log handler keeps the record.
+            log.warning("kmesh: blend failed; %d requests recompute\n%s", len(ready),
+                        traceback.format_exc())  # fmt: skip
             for load, _ in ready:
                 self._fail(load, f"blend error: {type(exc).__name__}: {exc}")
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint, smollm2_checkpoint
-from kmesh_blend.testing.engine import make_llm
+from kmesh_blend.testing.engine import leaked_connector, make_llm
 from tests.vllm.family import DOC_LEN, kv_transfer_config
 
 pytestmark = pytest.mark.vllm
@@ -144,6 +144,7 @@ def test_a_failed_mechanism_check_refuses_prefix_caching(monkeypatch: pytest.Mon
         make_llm(build_checkpoint(TINY_LLAMA), kv_transfer_config=kv_transfer_config(),
                  enable_prefix_caching=True)  # fmt: skip
     gc.collect()
+    assert leaked_connector()  # the failed start left vLLM's connector set; dropped now
 
 
 def test_the_mechanism_check_fails_without_privatization(monkeypatch: pytest.MonkeyPatch) -> None:
