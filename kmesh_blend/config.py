@@ -30,6 +30,7 @@ KNOWN_KEYS: tuple[str, ...] = (
     "kmesh.singleflight_timeout_s",
     "kmesh.separator",
     "kmesh.store_cpu_bytes",
+    "kmesh.store_timeout_s",
     "kmesh.compress_mirrors",
 )
 
@@ -49,6 +50,15 @@ class StoreSpec(NamedTuple):
     path: str | None = None
     host: str | None = None
     port: int | None = None
+
+    @property
+    def address(self) -> str:
+        """The ``kmesh.store`` value this was parsed from (``lm://127.0.0.1:65432``, …)."""
+        if self.kind == "cpu":
+            return "cpu"
+        if self.kind == "disk":
+            return f"disk://{self.path}"
+        return f"{self.kind}://{self.host}:{self.port}"
 
 
 def parse_store(value: str) -> StoreSpec:
@@ -98,6 +108,10 @@ class KMeshConfig:
     """Token ids that split prompts into segments (separator mode); empty = off."""
     store_cpu_bytes: int = 1 << 30
     """LMCache host-RAM pool (bytes): the store itself for ``cpu``, staging for the others."""
+    store_timeout_s: float = 0.5
+    """Base deadline (s) of one store operation; each also gets 10 ms per MB it moves. A store
+    that misses it is marked down: requests skip it (and say so) until a background probe finds
+    it answering."""
     compress_mirrors: bool = False
     """Store mirrors' changed rows with lossless byte-plane zlib coding (≈1.4× smaller for bf16,
     ≈16 ms more per 2k-token mirror on one core); off keeps keeping a turn cheapest."""
@@ -117,6 +131,10 @@ class KMeshConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             _fail("kmesh.singleflight_timeout_s", timeout, "not a positive number", "seconds > 0")
         object.__setattr__(self, "singleflight_timeout_s", float(timeout))
+        timeout = self.store_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            _fail("kmesh.store_timeout_s", timeout, "not a positive number", "seconds > 0")
+        object.__setattr__(self, "store_timeout_s", float(timeout))
         object.__setattr__(self, "separator", _check_separator(self.separator))
         if not isinstance(self.compress_mirrors, bool):
             _fail("kmesh.compress_mirrors", self.compress_mirrors, "not a bool", "true or false")
@@ -172,6 +190,7 @@ class KMeshConfig:
             "kmesh.singleflight_timeout_s": self.singleflight_timeout_s,
             "kmesh.separator": list(self.separator),
             "kmesh.store_cpu_bytes": self.store_cpu_bytes,
+            "kmesh.store_timeout_s": self.store_timeout_s,
             "kmesh.compress_mirrors": self.compress_mirrors,
         }
 

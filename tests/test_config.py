@@ -55,6 +55,7 @@ def test_round_trip() -> None:
         "kmesh.singleflight_timeout_s": 10.0,
         "kmesh.separator": [],
         "kmesh.store_cpu_bytes": 1 << 30,
+        "kmesh.store_timeout_s": 0.5,
         "kmesh.compress_mirrors": False,
     }
     back = KMeshConfig.from_extra_config(extra)
@@ -120,6 +121,7 @@ VALID = {
     "kmesh.retention_bytes": "an int ≥ 0",
     "kmesh.store_cpu_bytes": "an int ≥ 1",
     "kmesh.singleflight_timeout_s": "seconds > 0",
+    "kmesh.store_timeout_s": "seconds > 0",
     "kmesh.separator": "a list of token ids",
     "kmesh.compress_mirrors": "true or false",
 }
@@ -169,6 +171,8 @@ R, L, SEL, SCH, ST = (
         ("kmesh.store_cpu_bytes", 0),
         ("kmesh.singleflight_timeout_s", 0),
         ("kmesh.singleflight_timeout_s", "10"),
+        ("kmesh.store_timeout_s", -0.1),
+        ("kmesh.store_timeout_s", True),
         ("kmesh.separator", [-1]),
         ("kmesh.separator", "a,b"),
         ("kmesh.separator", 7),

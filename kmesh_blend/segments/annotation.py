@@ -3,7 +3,7 @@
 A request names its shared segments as half-open token spans of its prompt (CONTRACT.md)::
 
     {"kmesh": {"segments": [[start, end], ...], "family": "doc-42", "round": 0,
-               "prepare": false, "keep": false}}
+               "prepare": false, "keep": false, "close": false}}
 
 or, for clients that cannot send parameters, a configured separator token sequence splits the
 prompt (`split_on_separator`). `parse_request` is what the engine side calls: it never raises;
@@ -36,7 +36,7 @@ __all__ = [
 Span = tuple[int, int]
 """A half-open token span ``(start, end)`` of the prompt, ``0 <= start < end <= num_tokens``."""
 
-KNOWN_FIELDS: tuple[str, ...] = ("segments", "family", "round", "prepare", "keep")
+KNOWN_FIELDS: tuple[str, ...] = ("segments", "family", "round", "prepare", "keep", "close")
 MAX_FAMILY_LEN = 256
 _SPANS_VALID = (
     "a non-empty list of [start, end] int pairs, 0 <= start < end <= prompt length, "
@@ -67,6 +67,8 @@ class Annotation:
     keep: bool = False
     """Keep the prompt's KV as mirrors so the next turn restores it (`kmesh_blend.vllm.turns`)."""
     source: Literal["params", "separator"] = "params"
+    close: bool = False
+    """The family is done once this request is served: its pins and retention are released."""
 
     def _replace_source(self, source: Literal["params", "separator"]) -> Annotation:
         return dataclasses.replace(self, source=source)
@@ -100,7 +102,7 @@ def parse_request(
     ``kv_transfer_params``: the request's dict (or ``None``); only its ``"kmesh"`` entry is read.
     ``token_ids`` [num_tokens] and ``separator`` are used when a separator is configured
     (separator mode) and the request has no ``"kmesh"`` entry, or one without ``"segments"``
-    (it then carries only ``family`` / ``round`` / ``prepare`` / ``keep``).
+    (it then carries only ``family`` / ``round`` / ``prepare`` / ``keep`` / ``close``).
     """
     try:
         kmesh = None
@@ -171,7 +173,12 @@ def parse_annotation(kmesh: object, num_tokens: int, max_model_len: int) -> Anno
     keep = kmesh.get("keep", False)
     if not isinstance(keep, bool):
         raise AnnotationError(f"keep={keep!r}; valid: true or false", field="keep")
-    return Annotation(spans, family, round_, prepare, keep)
+    close = kmesh.get("close", False)
+    if not isinstance(close, bool):
+        raise AnnotationError(f"close={close!r}; valid: true or false", field="close")
+    if close and family is None:
+        raise AnnotationError("close=true needs the 'family' to close", field="close")
+    return Annotation(spans, family, round_, prepare, keep, close=close)
 
 
 def validate_spans(spans: object, num_tokens: int, max_model_len: int) -> tuple[Span, ...]:

@@ -15,11 +15,12 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
+from kmesh_blend.segments.health import StoreUnavailable
 from kmesh_blend.segments.identity import SegmentId
 from kmesh_blend.segments.index import SegmentIndex, SegmentInfo, SegmentState
 from kmesh_blend.segments.metrics import SegmentMetrics
 from kmesh_blend.segments.retention import RetentionPool
-from kmesh_blend.segments.singleflight import SingleFlight, SingleFlightTimeout
+from kmesh_blend.segments.singleflight import SingleFlight, SingleFlightError, SingleFlightTimeout
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +41,8 @@ class FetchResult(NamedTuple):
     source: Source
     reads: int
     """Reads from the backing tier this call performed itself (0 or 1)."""
+    reason: str = ""
+    """Why a ``fallback`` happened (the load's error), else empty."""
 
 
 class SegmentCache:
@@ -124,11 +127,14 @@ class SegmentCache:
                         self.retention.pin(segment_id, family)
         except SingleFlightTimeout:
             self.metrics.fallback("load_timeout")
-            return FetchResult(None, "fallback", 0)
+            return FetchResult(None, "fallback", 0, "another request's read did not finish in time")
         except Exception as exc:  # SingleFlightError, or the loader's own error
-            log.warning("kmesh: fetch of %s… failed: %s", segment_id[:12], str(exc))
+            cause = exc.__cause__ if isinstance(exc, SingleFlightError) and exc.__cause__ else exc
+            if not isinstance(cause, StoreUnavailable):  # an outage is logged once, by the store
+                log.warning("kmesh: fetch of %s… failed: %s", segment_id[:12], str(exc))
             self.metrics.fallback("load_error")
-            return FetchResult(None, "fallback", 1 if self._flight is None else 0)
+            reads = 1 if self._flight is None else 0
+            return FetchResult(None, "fallback", reads, str(cause))
         if master is None:
             return FetchResult(None, "miss", 1 if leader else 0)
         return FetchResult(master, "read" if leader else "joined", 1 if leader else 0)
@@ -140,6 +146,14 @@ class SegmentCache:
         return [self.fetch(sid, family=family) for sid in segment_ids]
 
     # -- lifetimes ----------------------------------------------------------------------------
+
+    def hold(self, segment_id: SegmentId, family: str) -> None:
+        """Keep the segment for ``family`` until it closes: its retained copy is not evicted
+        and its index entry outlives its rounds."""
+        self.retention.pin(segment_id, family)
+        if segment_id in self.index:
+            with contextlib.suppress(KeyError):  # retired meanwhile
+                self.index.pin(segment_id, family)
 
     def close_family(self, family: str) -> list[SegmentInfo]:
         """The family is done: drop its pins; retire (and delete) what only it kept alive."""

@@ -11,10 +11,13 @@ Which LMCache classes are used, per ``kmesh.store`` kind:
 ``redis``  ``RedisConnector`` to a Redis server.
 =========  ==================================================================================
 
-Remote connectors are async: they run on one private event loop thread per store. LMCache's
-``lm://`` client never reconnects, so an operation that fails on it opens a new connection and
-is tried once more (a restarted server is used again at once; one that is down fails fast). Not
-used:
+Remote connectors are async: they run on one private event loop thread per store. Every
+operation has a deadline (``deadline(nbytes)``, from `kmesh_blend.segments.health`); one that
+misses it raises `TimeoutError`, and on ``lm://`` its connection is shut down (LMCache's client
+reads with blocking calls on the loop thread: shutting the socket down is what frees that
+thread). LMCache's ``lm://`` client never reconnects, so an operation that fails on it opens a
+new connection and is tried once more (a restarted server is used again at once; one that is
+down fails fast). Not used:
 ``StorageManager`` / ``LMCacheEngine`` (they chunk by LMCache's prefix token hashes and need a
 GPU connector; we store whole segments by our own content id), and ``RedisConnector.close`` (it
 deadlocks its own loop: we shut its executor down and close its client directly). Every call
@@ -24,8 +27,11 @@ here is serialised by the caller (`kmesh_blend.segments.store`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -41,7 +47,6 @@ __all__ = ["LMCacheTier", "make_key", "open_tier"]
 log = logging.getLogger(__name__)
 
 _CHUNK = 256  # LMCacheMetadata wants a chunk size; we never chunk, objects are whole segments
-_IO_TIMEOUT_S = 30.0
 
 
 def make_key(
@@ -69,7 +74,9 @@ class LMCacheTier:
         *,
         cpu_bytes: int,
         disk_bytes: int = 8 << 30,
+        deadline: Callable[[int], float] = lambda nbytes: 30.0,
     ) -> None:
+        """``deadline(nbytes)``: seconds an operation moving ``nbytes`` may take."""
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -78,6 +85,7 @@ class LMCacheTier:
 
         guard_llvmlite()  # LMCache loaded llvmlite; keep vLLM's start-up scan working
         self.kind = spec.kind
+        self.deadline = deadline
         kwargs: dict[str, Any] = dict(
             chunk_size=_CHUNK,
             local_cpu=spec.kind == "cpu",
@@ -109,13 +117,8 @@ class LMCacheTier:
             self.disk = LocalDiskBackend(self.config, self._loop, self.cpu, dst_device="cpu")
         elif spec.kind == "lm":
             self._address = (spec.host, spec.port)
-            try:
+            with contextlib.suppress(OSError):  # down at start: the caller's probe says so
                 self.conn = self._connect_lm()
-            except OSError as exc:  # serve without reuse; every later operation reconnects
-                log.warning(
-                    "kmesh.store lm://%s:%s is unreachable (%s); reuse starts when it answers",
-                    spec.host, spec.port, str(exc),
-                )  # fmt: skip
         elif spec.kind == "redis":
             from lmcache.v1.storage_backend.connector.redis_connector import RedisConnector
 
@@ -131,29 +134,38 @@ class LMCacheTier:
         return self.cpu.allocate(torch.Size(shape), dtype, MemoryFormat.KV_2LTD, busy_loop=False)
 
     def put(self, key: Any, obj: Any) -> None:
-        """Store ``obj`` under ``key``; blocks until the backend holds it. The caller keeps (and
-        must drop) its own reference."""
+        """Store ``obj`` under ``key``; blocks until the backend holds it (or raises
+        `TimeoutError` at its deadline). The caller keeps (and must drop) its own reference."""
         if self.kind == "cpu":
             self.cpu.submit_put_task(key, obj)
         elif self.kind == "disk":
+            os.makedirs(self.disk.path, exist_ok=True)  # a removed directory is made again
+            if self.disk.contains(key):  # LMCache would skip it, though its file may be gone
+                with contextlib.suppress(Exception):
+                    self.disk.remove(key)
             done = threading.Event()
             self.disk.submit_put_task(key, obj, on_complete_callback=lambda _k: done.set())
             # LMCache skips the write silently (no callback) when the key is already there or
             # being written, or when it does not fit: poll `contains` up to a deadline.
-            deadline = time.monotonic() + _IO_TIMEOUT_S
+            limit = self.deadline(obj.get_size())
+            deadline = time.monotonic() + limit
             while not done.wait(0.005) and not self.disk.contains(key):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"disk write of {key.to_string()} did not finish")
+                    raise TimeoutError(f"disk write not done within {limit:.2f} s")
         else:
-            self._remote(lambda: self.conn.put(key, obj))
+            self._remote(lambda: self.conn.put(key, obj), obj.get_size())
 
-    def get(self, key: Any) -> Any:
-        """The stored object (the caller owns one reference and must drop it), or None."""
+    def get(self, key: Any, nbytes: int = 0) -> Any:
+        """The stored object (the caller owns one reference and must drop it), or None.
+        ``nbytes``: its expected size, when known (the deadline grows with it)."""
         if self.kind == "cpu":
             return self.cpu.get_blocking(key)
         if self.kind == "disk":
-            return self.disk.get_blocking(key)
-        return self._remote(lambda: self.conn.get(key))
+            try:
+                return self.disk.get_blocking(key)
+            except KeyError:  # its file was gone: LMCache dropped the key, a put writes it again
+                return None
+        return self._remote(lambda: self.conn.get(key), nbytes)
 
     def remove(self, key: Any) -> bool:
         """Delete ``key``. ``lm://`` has no delete (the LMCache server never frees anything):
@@ -171,11 +183,12 @@ class LMCacheTier:
 
     def close(self) -> None:
         if self.conn is not None and self._loop is not None:
-            if self.kind == "redis":
-                self._run(self.conn.pq_executor.shutdown_async(wait=True))
-                self._run(self.conn.connection.aclose())
-            else:
-                self._run(self.conn.close())
+            with contextlib.suppress(Exception):  # a store that is down closes what it can
+                if self.kind == "redis":
+                    self._run(self.conn.pq_executor.shutdown_async(wait=True))
+                    self._run(self.conn.connection.aclose())
+                else:
+                    self._drop_connection()
             self.conn = None
         if self.disk is not None:
             self.disk.close()
@@ -193,28 +206,36 @@ class LMCacheTier:
         from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector
 
         host, port = self._address
+        # LMCache connects without a timeout: reach the address under our deadline first.
+        socket.create_connection((host, port), timeout=self.deadline(0)).close()
         return LMCServerConnector(host, port, self._loop, self.cpu)
 
-    def _remote(self, op: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-        """Run ``op()`` on the connection; on ``lm://`` a failure reopens it and retries once."""
+    def _remote(self, op: Callable[[], Coroutine[Any, Any, Any]], nbytes: int = 0) -> Any:
+        """Run ``op()`` on the connection under its deadline; on ``lm://`` a failure other than
+        a missed deadline reopens the connection and retries once."""
         if self.kind == "lm" and self.conn is None:
             self._reopen()
         try:
-            return self._run(op())
+            return self._run(op(), nbytes)
         except Exception as exc:
-            if self.kind != "lm":
+            if self.kind != "lm" or isinstance(exc, TimeoutError):
                 raise
-            log.warning("kmesh store lm: %s; reconnecting to %s:%s", str(exc), *self._address)
+            log.info("kmesh store lm: %s; reconnecting to %s:%s", str(exc), *self._address)
             self._reopen()
-            return self._run(op())
+            return self._run(op(), nbytes)
 
     def _reopen(self) -> None:
         """A fresh ``lm://`` connection; raises (and leaves none) while the server is down."""
+        self._drop_connection()
+        self.conn = self._connect_lm()
+
+    def _drop_connection(self) -> None:
         old, self.conn = self.conn, None
         if old is not None:
             with contextlib.suppress(Exception):
+                old.client_socket.shutdown(socket.SHUT_RDWR)  # frees a blocked read
+            with contextlib.suppress(Exception):
                 old.client_socket.close()
-        self.conn = self._connect_lm()
 
     # -- event loop ---------------------------------------------------------------------------
 
@@ -226,9 +247,17 @@ class LMCacheTier:
         )
         self._thread.start()
 
-    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+    def _run(self, coro: Coroutine[Any, Any, Any], nbytes: int = 0) -> Any:
         assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(_IO_TIMEOUT_S)
+        limit = self.deadline(nbytes)
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(limit)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            if self.kind == "lm":  # its read blocks the loop thread: free it
+                self._drop_connection()
+            raise TimeoutError(f"no answer within {limit:.2f} s") from None
 
 
 def open_tier(spec: StoreSpec, layout: MasterLayout, *, cpu_bytes: int) -> LMCacheTier:

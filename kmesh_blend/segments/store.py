@@ -7,13 +7,21 @@
 Every get is one *read from the backing tier* (counted by the caller, `SegmentCache`). A get
 returns ``None`` — never doubtful KV — when the segment is absent, its metadata is malformed, or
 the KV's shape, dtype or checksum disagree with the metadata. Each call is serialised by a lock
-(LMCache's ``lm://`` client shares one socket). What is written in LMCache and why: see
-`kmesh_blend.segments.master` (layout, metadata object) and `kmesh_blend.segments.lmcache_tiers`
-(which LMCache classes).
+(LMCache's ``lm://`` client shares one socket).
+
+Faults (`kmesh_blend.segments.health`): every operation on the tier has a deadline. A tier that
+fails or misses one is *down*: `get` and `contains` then raise `StoreUnavailable` at once (its
+message names the ``kmesh.store`` address and why), `put` returns False with that reason in
+``last_error``, deletes return False, until a background probe finds the tier answering. A store
+unreachable at start is down from the start, the same way for every kind.
+
+What is written in LMCache and why: see `kmesh_blend.segments.master` (layout, metadata
+object) and `kmesh_blend.segments.lmcache_tiers` (which LMCache classes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any, Protocol
@@ -21,17 +29,19 @@ from typing import Any, Protocol
 import torch
 
 from kmesh_blend.config import StoreSpec, parse_store
+from kmesh_blend.segments.health import Health, StoreUnavailable
 from kmesh_blend.segments.identity import SegmentId
 from kmesh_blend.segments.lmcache_tiers import LMCacheTier, make_key
 from kmesh_blend.segments.master import Master, MasterLayout, MasterMeta, kv_checksum
 
-__all__ = ["LMCacheMasterStore", "MasterStore", "open_store"]
+__all__ = ["LMCacheMasterStore", "MasterStore", "StoreUnavailable", "open_store"]
 
 log = logging.getLogger(__name__)
 
 _KV_PREFIX = "kmesh"
 _META_PREFIX = "kmesh-meta"
 _BLOB_PREFIX = "kmesh-blob"
+_PROBE_ID = "0" * 32  # never written: a probe only asks whether the tier answers
 
 
 class MasterStore(Protocol):
@@ -57,14 +67,41 @@ class MasterStore(Protocol):
 class LMCacheMasterStore:
     """`MasterStore` on one LMCache backend (host RAM, disk, ``lm://`` or ``redis://``)."""
 
-    def __init__(self, spec: StoreSpec, layout: MasterLayout, *, cpu_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        spec: StoreSpec,
+        layout: MasterLayout,
+        *,
+        cpu_bytes: int = 1 << 30,
+        timeout_s: float = 0.5,
+    ) -> None:
         self.tier: str = spec.kind
         self.layout = layout
         self._dtype = layout.torch_dtype()
-        self._backend = LMCacheTier(spec, layout, cpu_bytes=cpu_bytes)
+        self.health = Health(spec.address, timeout_s, self._probe)
+        self._backend = LMCacheTier(
+            spec, layout, cpu_bytes=cpu_bytes, deadline=self.health.deadline
+        )
         self._lock = threading.Lock()
         self.num_corrupt = 0
         self.last_error = ""  # why the last refused `put` was refused, in words
+        try:  # one behaviour for every kind: a store that does not answer now is down
+            self._probe()
+        except Exception as exc:
+            self.health.failed(_why(exc))
+
+    def _io(self, op: Any, *args: Any) -> Any:
+        """``op(*args)`` on the tier (lock held); a fault marks the store down."""
+        try:
+            return op(*args)
+        except Exception as exc:
+            raise self.health.failed(_why(exc)) from None
+
+    def _probe(self) -> None:
+        with self._lock:
+            obj = self._backend.get(self._key(_META_PREFIX, _PROBE_ID, torch.uint8))
+            if obj is not None:
+                obj.ref_count_down()
 
     def _key(self, prefix: str, object_id: str, dtype: torch.dtype) -> Any:
         return make_key(prefix, object_id, dtype, self.layout.rank, self.layout.world_size)
@@ -77,6 +114,11 @@ class LMCacheMasterStore:
             T, tuple(kv.shape), self.layout.dtype, kv_checksum(kv), tuple(positions.tolist())
         ).sealed(segment_id)
         blob = meta.encode()
+        try:
+            self.health.check()
+        except StoreUnavailable as exc:
+            self.last_error = str(exc)
+            return False
         with self._lock:
             kv_obj = self._backend.allocate((2, L, T, H * D), self._dtype)
             meta_obj = self._backend.allocate((1, 1, 1, len(blob)), torch.uint8)
@@ -88,13 +130,13 @@ class LMCacheMasterStore:
                 # [L, 2, T, Hkv, D] -> LMCache's KV_2LTD [2, L, T, Hkv*D] (one strided copy)
                 kv_obj.tensor.copy_(kv.permute(1, 0, 2, 3, 4).reshape(2, L, T, H * D))
                 meta_obj.tensor.view(-1).copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-                self._backend.put(self._key(_KV_PREFIX, segment_id, self._dtype), kv_obj)
+                put = self._backend.put
+                self._io(put, self._key(_KV_PREFIX, segment_id, self._dtype), kv_obj)
                 # metadata last: it marks the master complete
-                self._backend.put(self._key(_META_PREFIX, segment_id, torch.uint8), meta_obj)
+                self._io(put, self._key(_META_PREFIX, segment_id, torch.uint8), meta_obj)
                 return True
-            except Exception as exc:  # the tier is unreachable or refused: no reuse, no crash
-                self.last_error = f"put failed: {type(exc).__name__}: {exc}"
-                log.warning("kmesh store %s: %s", self.tier, self.last_error)
+            except StoreUnavailable as exc:  # no reuse, no crash; the outage was logged once
+                self.last_error = str(exc)
                 return False
             finally:
                 for obj in (kv_obj, meta_obj):
@@ -102,33 +144,37 @@ class LMCacheMasterStore:
                         obj.ref_count_down()
 
     def get(self, segment_id: SegmentId) -> Master | None:
+        """The master, or None (absent or rejected); raises `StoreUnavailable` while the tier
+        is down."""
+        self.health.check()
         with self._lock:
-            try:
-                return self._get_locked(segment_id)
-            except Exception as exc:
-                log.warning("kmesh store %s: get failed: %s", self.tier, str(exc))
-                return None
+            return self._get_locked(segment_id)
 
     def contains(self, segment_id: SegmentId) -> bool:
-        """Whether the metadata object exists (a cheap check; `get` still verifies)."""
+        """Whether the metadata object exists (a cheap check; `get` still verifies); raises
+        `StoreUnavailable` while the tier is down."""
+        self.health.check()
         with self._lock:
-            obj = self._backend.get(self._key(_META_PREFIX, segment_id, torch.uint8))
+            obj = self._io(self._backend.get, self._key(_META_PREFIX, segment_id, torch.uint8))
             if obj is None:
                 return False
             obj.ref_count_down()
             return True
 
     def delete(self, segment_id: SegmentId) -> bool:
-        with self._lock:
-            try:
-                gone = self._backend.remove(self._key(_META_PREFIX, segment_id, torch.uint8))
-                self._backend.remove(self._key(_KV_PREFIX, segment_id, self._dtype))
-                return gone
-            except Exception as exc:
-                log.warning("kmesh store %s: delete failed: %s", self.tier, str(exc))
-                return False
+        try:
+            self.health.check()
+            with self._lock:
+                gone = self._io(
+                    self._backend.remove, self._key(_META_PREFIX, segment_id, torch.uint8)
+                )
+                self._io(self._backend.remove, self._key(_KV_PREFIX, segment_id, self._dtype))
+                return bool(gone)
+        except StoreUnavailable:
+            return False
 
     def close(self) -> None:
+        self.health.close()
         with self._lock:
             self._backend.close()
 
@@ -138,6 +184,8 @@ class LMCacheMasterStore:
         """Store opaque bytes under ``object_id`` (a uint8 LMCache object under its own key
         prefix, next to the masters); False if the tier refused. The bytes carry their own
         checksum: `get_blob` returns them unverified."""
+        if not self.health.up:
+            return False
         with self._lock:
             obj = self._backend.allocate((1, 1, 1, len(blob)), torch.uint8)
             try:
@@ -145,10 +193,9 @@ class LMCacheMasterStore:
                     log.warning("kmesh store %s: no room for %d bytes", self.tier, len(blob))
                     return False
                 obj.tensor.view(-1).copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-                self._backend.put(self._key(_BLOB_PREFIX, object_id, torch.uint8), obj)
+                self._io(self._backend.put, self._key(_BLOB_PREFIX, object_id, torch.uint8), obj)
                 return True
-            except Exception as exc:
-                log.warning("kmesh store %s: put_blob failed: %s", self.tier, str(exc))
+            except StoreUnavailable:
                 return False
             finally:
                 if obj is not None:
@@ -156,40 +203,47 @@ class LMCacheMasterStore:
 
     def get_blob(self, object_id: SegmentId) -> bytes | None:
         """The bytes stored by `put_blob`, or None (absent, or the tier failed)."""
+        if not self.health.up:
+            return None
         with self._lock:
             try:
-                obj = self._backend.get(self._key(_BLOB_PREFIX, object_id, torch.uint8))
-                if obj is None:
-                    return None
-                try:
-                    return bytes(obj.tensor.reshape(-1).numpy().tobytes())
-                finally:
-                    obj.ref_count_down()
-            except Exception as exc:
-                log.warning("kmesh store %s: get_blob failed: %s", self.tier, str(exc))
+                obj = self._io(self._backend.get, self._key(_BLOB_PREFIX, object_id, torch.uint8))
+            except StoreUnavailable:
                 return None
+            if obj is None:
+                return None
+            try:
+                return bytes(obj.tensor.reshape(-1).numpy().tobytes())
+            finally:
+                obj.ref_count_down()
 
     def delete_blob(self, object_id: SegmentId) -> bool:
+        if not self.health.up:
+            return False
         with self._lock:
             try:
-                return self._backend.remove(self._key(_BLOB_PREFIX, object_id, torch.uint8))
-            except Exception as exc:
-                log.warning("kmesh store %s: delete_blob failed: %s", self.tier, str(exc))
+                key = self._key(_BLOB_PREFIX, object_id, torch.uint8)
+                return bool(self._io(self._backend.remove, key))
+            except StoreUnavailable:
                 return False
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _get_locked(self, segment_id: SegmentId) -> Master | None:
-        meta_obj = self._backend.get(self._key(_META_PREFIX, segment_id, torch.uint8))
+        meta_obj = self._io(self._backend.get, self._key(_META_PREFIX, segment_id, torch.uint8))
         if meta_obj is None:
             return None
         try:
             meta = MasterMeta.decode(bytes(meta_obj.tensor.reshape(-1).numpy().tobytes()))
+        except Exception as exc:  # malformed metadata: rejected, not a fault of the tier
+            return self._corrupt(segment_id, f"metadata unreadable: {type(exc).__name__}")
         finally:
             meta_obj.ref_count_down()
         if not meta.seal_holds(segment_id):
             return self._corrupt(segment_id, "metadata not sealed for this segment")
-        kv_obj = self._backend.get(self._key(_KV_PREFIX, segment_id, self._dtype))
+        nbytes = _numel(meta.shape) * self._dtype.itemsize
+        key = self._key(_KV_PREFIX, segment_id, self._dtype)
+        kv_obj = self._io(self._backend.get, key, nbytes)
         if kv_obj is None:
             return None
         try:
@@ -205,17 +259,40 @@ class LMCacheMasterStore:
         return Master(kv, torch.tensor(meta.positions, dtype=torch.int64))
 
     def _corrupt(self, segment_id: SegmentId, why: str) -> Master | None:
-        """Count and log a rejected master; returns None (what `get` then returns)."""
+        """Count, log and delete a rejected master (lock held; so the next reader that computes
+        the segment stores it again); returns None (what `get` then returns)."""
         self.num_corrupt += 1
         log.warning("kmesh store %s: master %s… rejected: %s", self.tier, segment_id[:12], why)
+        for key in (
+            self._key(_META_PREFIX, segment_id, torch.uint8),
+            self._key(_KV_PREFIX, segment_id, self._dtype),
+        ):
+            with contextlib.suppress(Exception):
+                self._backend.remove(key)
         return None
 
 
 def open_store(
-    store: str | StoreSpec, layout: MasterLayout, *, cpu_bytes: int = 1 << 30
+    store: str | StoreSpec,
+    layout: MasterLayout,
+    *,
+    cpu_bytes: int = 1 << 30,
+    timeout_s: float = 0.5,
 ) -> LMCacheMasterStore:
     """Open the store named by a ``kmesh.store`` value (``cpu``, ``disk:///p``, ``lm://h:p``,
     ``redis://h:p``). ``cpu_bytes``: host-RAM pool of LMCache (the store itself for ``cpu``,
-    staging for the other tiers)."""
+    staging for the other tiers). ``timeout_s``: base deadline of one operation
+    (``kmesh.store_timeout_s``). Never raises for a store that does not answer: it starts down."""
     spec = parse_store(store) if isinstance(store, str) else store
-    return LMCacheMasterStore(spec, layout, cpu_bytes=cpu_bytes)
+    return LMCacheMasterStore(spec, layout, cpu_bytes=cpu_bytes, timeout_s=timeout_s)
+
+
+def _why(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n

@@ -125,7 +125,9 @@ class KMeshConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if self.worker is not None and isinstance(meta, KMeshMetadata) and meta.loads:
+        if self.worker is None or not isinstance(meta, KMeshMetadata):
+            return
+        if meta.loads or meta.round is not None or meta.closes:
             self.worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -252,5 +254,7 @@ def _shared_store_lookup(config: KMeshConfig, vllm_config: VllmConfig) -> Any:
         rank=0,
         world_size=parallel.tensor_parallel_size,
     )
-    store = open_store(config.store_spec, layout, cpu_bytes=64 << 20)
+    store = open_store(
+        config.store_spec, layout, cpu_bytes=64 << 20, timeout_s=config.store_timeout_s
+    )
     return store.contains

@@ -54,6 +54,7 @@ class LoadRequest:
     turn: str | None = None  # restore this turn record (its prompt = token_ids[:turn_len]) instead
     turn_len: int = 0
     keep: str | None = None  # after the forward, store this request's prompt as this turn record
+    family: str | None = None  # the masters it reads are held for this family until it closes
 
 
 @dataclass
@@ -63,12 +64,18 @@ class SaveRequest:
     req_id: str
     block_ids: list[int]
     segments: list[SegmentRef]
+    family: str | None = None  # held for this family until it closes
+    round: int | None = None  # published in this round (retired `round_lifetime` rounds later)
 
 
 @dataclass
 class KMeshMetadata(KVConnectorMetadata):
     loads: list[LoadRequest] = field(default_factory=list)
     saves: list[SaveRequest] = field(default_factory=list)
+    round: int | None = None  # the latest round a request announced: the index moves to it
+    # Families closed by finished requests, numbered: sent every step until the worker says it
+    # applied them (a step without a forward may never reach the worker).
+    closes: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -82,6 +89,8 @@ class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
     lost: list[str] = field(default_factory=list)  # believed stored, but could not be read
     unpublished: list[str] = field(default_factory=list)  # scheduled saves that did not store
     store_errors: dict[str, str] = field(default_factory=dict)  # segment id → why not stored
+    retired: dict[str, int] = field(default_factory=dict)  # deleted by their lifetime → round
+    closed_upto: int = 0  # the highest family-close number applied
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KMeshWorkerMetadata):
@@ -93,4 +102,6 @@ class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
             self.lost.extend(other.lost)
             self.unpublished.extend(other.unpublished)
             self.store_errors.update(other.store_errors)
+            self.retired.update(other.retired)
+            self.closed_upto = max(self.closed_upto, other.closed_upto)
         return self

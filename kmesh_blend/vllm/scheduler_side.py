@@ -53,6 +53,9 @@ class _Plan:
     matched: int = 0
     saved: bool = False
     blocks: list[int] = field(default_factory=list)
+    family: str | None = None  # the annotation's lifetime fields (docs/contract.md)
+    round: int | None = None
+    close: bool = False
     report: dict[str, Any] = field(
         default_factory=lambda: {
             "reused_tokens": 0,
@@ -102,6 +105,13 @@ class SchedulerSide:
         self._recent: dict[str, dict[str, Any]] = {}
         self._counted: set[str] = set()  # of `_recent`, already in the metrics
         self._gauges: dict[str, int] = {}
+        # Rounds and families (the worker's round-aware index acts on them): the latest round
+        # announced, whether the worker has been told, and families closed by finished requests.
+        self._round: int | None = None
+        self._closing: list[tuple[int, str]] = []  # (number, family) until the worker applied it
+        self._close_seq = 0
+        # Segments the worker retired by their lifetime → the round they were published in.
+        self.retired: LruDict[str, int] = LruDict(_MAX_PUBLISHED)
 
     def num_matched(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` the worker side will provide (0: stock path).
@@ -153,7 +163,11 @@ class SchedulerSide:
             namespace = dataclasses.replace(namespace, cache_salt=str(salt))
         ids = segment_ids(namespace, tokens, spans)
         refs = [SegmentRef(s, e, str(i)) for (s, e), i in zip(spans, ids, strict=True)]
-        plan = _Plan(tokens, refs, first=num_computed_tokens)
+        annotation = parsed.annotation
+        plan = _Plan(tokens, refs, first=num_computed_tokens, family=annotation.family,
+                     round=annotation.round, close=annotation.close)  # fmt: skip
+        if annotation.round is not None and (self._round is None or annotation.round > self._round):
+            self._round = annotation.round
         if self.privatizer is not None:
             plan.report["prefix_cached_tokens"] = num_computed_tokens
         self.plans[request.request_id] = plan
@@ -183,11 +197,24 @@ class SchedulerSide:
             plan.report["restored_tokens"] = turn[1]
             return turn[1]
         # A segment inside the exact prefix vLLM found in its cache needs no load.
+        problems: list[str] = []
         plan.loads = [
-            r for r in refs if r.end > num_computed_tokens and self._is_published(r.segment_id)
+            r
+            for r in refs
+            if r.end > num_computed_tokens and self._is_published(r.segment_id, problems)
         ]
         plan.saves = [r for r in refs if r not in plan.loads]
+        if not plan.loads and problems:  # the store did not answer: it says which and why
+            plan.report["fallback"] = _short(problems[0])
+            return 0
         if not plan.loads:
+            gone = next((r for r in refs if r.segment_id in self.retired), None)
+            if gone is not None:  # it lived its rounds: this request stores it again
+                plan.report["fallback"] = (
+                    f"master retired: segment {gone.segment_id[:16]} published in round "
+                    f"{self.retired.get(gone.segment_id)}, lifetime {self.config.round_lifetime}"
+                )
+                return 0
             refused = [(r, self.unstored.get(r.segment_id)) for r in refs]
             ref, why = next(((r, w) for r, w in refused if w), (None, None))
             if ref is not None:  # stored before? the store could not take it
@@ -213,7 +240,7 @@ class SchedulerSide:
         for record in self._finished_keeps:  # its turn was stored by now, or never will be
             self._keeping.pop(record, None)
         self._finished_keeps.clear()
-        meta = KMeshMetadata()
+        meta = KMeshMetadata(round=self._round, closes=list(self._closing))
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             plan = self.plans.get(new.req_id)
@@ -233,6 +260,7 @@ class SchedulerSide:
                         turn=turn,
                         turn_len=turn_len,
                         keep=plan.keep,
+                        family=plan.family,
                     )
                 )
             self._maybe_save(
@@ -266,6 +294,11 @@ class SchedulerSide:
             self.unstored[segment_id] = why
         for segment_id in worker_meta.published:
             self.unstored.pop(segment_id)
+            self.retired.pop(segment_id)
+        self._closing = [(n, f) for n, f in self._closing if n > worker_meta.closed_upto]
+        self.published.difference_update(worker_meta.retired)  # deleted from the store
+        for segment_id, round_ in worker_meta.retired.items():
+            self.retired[segment_id] = round_
         for record in worker_meta.turns:
             kept = self._keeping.pop(record, None)
             if kept is not None and record not in self.turns:
@@ -295,6 +328,9 @@ class SchedulerSide:
             return None
         if plan.keep is not None:
             self._finished_keeps.append(plan.keep)
+        if plan.close and plan.family is not None:
+            self._close_seq += 1
+            self._closing.append((self._close_seq, plan.family))
         if self.disabled is not None and plan.report["fallback"] is None:
             plan.report["fallback"] = self.disabled  # it ran before the worker's word arrived
         self._recent[request.request_id] = plan.report
@@ -347,7 +383,9 @@ class SchedulerSide:
         if not counts:
             self._turn_lengths.pop(head, None)
 
-    def _is_published(self, segment_id: str) -> bool:
+    def _is_published(self, segment_id: str, problems: list[str]) -> bool:
+        """Whether ``segment_id`` can be loaded; a store that cannot answer means no (the
+        reason is appended to ``problems``; the store logs its outage itself)."""
         if segment_id in self.published:
             return True
         if self.contains is not None:
@@ -355,8 +393,8 @@ class SchedulerSide:
                 if self.contains(segment_id):
                     self.published.add(segment_id)
                     return True
-            except Exception as exc:  # a shared store that cannot answer means: recompute
-                log.warning("kmesh: store lookup failed (%s); treating segment as absent", str(exc))
+            except Exception as exc:
+                problems.append(str(exc))
         return False
 
     def _find_turn(
@@ -387,7 +425,9 @@ class SchedulerSide:
             unique.setdefault(ref.segment_id, ref)
         if unique:
             self._saving.update(unique)
-            meta.saves.append(SaveRequest(req_id, list(plan.blocks), list(unique.values())))
+            save = SaveRequest(req_id, list(plan.blocks), list(unique.values()))
+            save.family, save.round = plan.family, plan.round
+            meta.saves.append(save)
 
 
 def _short(reason: str) -> str:

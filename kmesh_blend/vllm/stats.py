@@ -31,6 +31,7 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "retention_hits": ("Master fetches served from host-RAM retention", None),
     "singleflight_joins": ("Master fetches that waited for another request's read", None),
     "store_misses": ("Master fetches the store could not serve", None),
+    "store_outages": ("Times the store was marked down (failed or missed a deadline)", None),
 }
 GAUGES: dict[str, str] = {
     "published_segments": "Segments the scheduler believes are stored",
@@ -39,9 +40,13 @@ GAUGES: dict[str, str] = {
     "plans": "Requests the scheduler holds a reuse plan for",
     "retained_bytes": "Bytes of masters retained in host RAM",
     "indexed_segments": "Segments in the worker's round-aware index",
+    "store_up": "1 while the worker's store answers, 0 while it is marked down",
 }
 
 
 def fallback_reason(fallback: str) -> str:
-    """The reason's kind, for a label: the text before its first colon (`docs/contract.md`)."""
+    """The reason's kind, for a label: the text before its first colon (`docs/contract.md`),
+    or ``store unavailable`` for a store that was down (its reason names an address)."""
+    if fallback.startswith("kmesh.store ") and " unavailable: " in fallback:
+        return "store unavailable"
     return fallback.split(":", 1)[0].strip()[:40] or "unknown"

@@ -23,12 +23,14 @@ from kmesh_blend.blend import BlendOptions, BlendRequest, MasterSource, SegmentU
 from kmesh_blend.config import KMeshConfig
 from kmesh_blend.mirror.lifecycle import MirrorStore
 from kmesh_blend.segments.cache import SegmentCache
+from kmesh_blend.segments.index import SegmentIndex
 from kmesh_blend.segments.master import MasterLayout
 from kmesh_blend.segments.store import open_store
 from kmesh_blend.vllm.meta import VLLM_TAIL, KMeshMetadata, KMeshWorkerMetadata, LoadRequest
 from kmesh_blend.vllm.model import VllmModel, check_decomposition
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 from kmesh_blend.vllm.paged_attention import PagedAttention
+from kmesh_blend.vllm.registry import LruDict
 from kmesh_blend.vllm.tails import Tails
 from kmesh_blend.vllm.turns import restore_turn, save_turn
 
@@ -73,12 +75,18 @@ class WorkerSide:
         self.layout = MasterLayout(
             shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype_name, rank, world
         )
-        self.store = open_store(config.store_spec, self.layout, cpu_bytes=config.store_cpu_bytes)
+        self.store = open_store(
+            config.store_spec, self.layout, cpu_bytes=config.store_cpu_bytes,
+            timeout_s=config.store_timeout_s,
+        )  # fmt: skip
         self.cache = SegmentCache(
             self.store,
+            index=SegmentIndex(keep_rounds=config.round_lifetime),
             retention_bytes=config.retention_bytes,
             timeout_s=config.singleflight_timeout_s,
         )
+        self._retired: LruDict[str, int | None] = LruDict(1 << 16)  # id → round, for reasons
+        self._closed_upto = 0  # the highest family-close number applied (meta.py)
         self.mirrors = MirrorStore(self.cache, compress=config.compress_mirrors)
         self.options = BlendOptions.from_config(config)
         self.attn_layers = static_forward_context
@@ -115,6 +123,7 @@ class WorkerSide:
     @torch.no_grad()
     def load(self, meta: KMeshMetadata) -> None:
         """Blend and write every load request of this step (before the forward)."""
+        self._lifetimes(meta)
         ready: list[tuple[LoadRequest, BlendRequest]] = []
         masters: dict[str, Any] = {}
         blends = []
@@ -179,13 +188,34 @@ class WorkerSide:
                 rows = [self.paged.read(cache, slots) for cache in self.kv_caches]
                 kv = torch.stack([torch.stack(kv_pair) for kv_pair in rows])  # [L, 2, S, Hkv, D]
                 positions = torch.arange(ref.start, ref.end, dtype=torch.int64)
-                if self.cache.publish(ref.segment_id, kv.cpu(), positions):  # type: ignore[arg-type]
+                if self.cache.publish(ref.segment_id, kv.cpu(), positions,  # type: ignore[arg-type]
+                                      round=save.round, family=save.family):  # fmt: skip
                     self.out.published.append(ref.segment_id)
+                    self._retired.pop(ref.segment_id)
+                    if save.family is not None:
+                        self.cache.hold(ref.segment_id, save.family)  # type: ignore[arg-type]
                 else:
                     log.warning("kmesh: could not store segment %s", ref.segment_id[:16])
                     self.out.unpublished.append(ref.segment_id)
                     why = getattr(self.store, "last_error", "") or "the store refused it"
                     self.out.store_errors[ref.segment_id] = f"{self.store.tier} store: {why}"
+
+    def _lifetimes(self, meta: KMeshMetadata) -> None:
+        """Move the round-aware index to the announced round and close finished families; what
+        that retires is deleted from the store and reported (the scheduler forgets it)."""
+        retired = []
+        index = self.cache.index
+        if meta.round is not None and meta.round > index.current_round:
+            retired += self.cache.advance_round(meta.round)
+        for number, family in meta.closes:
+            if number > self._closed_upto:
+                retired += self.cache.close_family(family)
+                self._closed_upto = self.out.closed_upto = number
+        for info in retired:
+            self._retired[info.segment_id] = info.round
+            self.out.retired[info.segment_id] = -1 if info.round is None else info.round
+        if retired:
+            log.info("kmesh: %d segments retired (round %d)", len(retired), index.current_round)
 
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
@@ -195,7 +225,7 @@ class WorkerSide:
         out, self.out = self.out, KMeshWorkerMetadata()
         out.disabled = self.unsupported
         return out if (out.reports or out.published or out.disabled or out.lost
-                       or out.unpublished) else None  # fmt: skip
+                       or out.unpublished or out.retired or out.closed_upto) else None  # fmt: skip
 
     def take_stats(self) -> dict[str, Any] | None:
         """Metrics payload (`kmesh_blend.vllm.stats`): segment-layer counters since the last
@@ -207,10 +237,14 @@ class WorkerSide:
         for ours, theirs in [("retention_hits", "hits"), ("store_misses", "misses"),
                              ("singleflight_joins", "singleflight_joins")]:  # fmt: skip
             pairs.append((ours, now[theirs], seen.get(theirs, 0)))
+        health = self.store.health
+        pairs.append(("store_outages", health.num_down, seen.get("store_outages", 0)))
+        now["store_outages"] = health.num_down
         counters = {name: n - before for name, n, before in pairs if n != before}
         gauges = {
             "retained_bytes": int(now["retained_bytes"]),
             "indexed_segments": len(self.cache.index),
+            "store_up": int(health.up),
         }
         if not counters and gauges == self._gauges:
             return None
@@ -235,8 +269,15 @@ class WorkerSide:
         for ref in load.segments:
             if ref.segment_id in masters:
                 continue
-            fetched = self.cache.fetch(ref.segment_id)  # type: ignore[arg-type]
+            fetched = self.cache.fetch(ref.segment_id, family=load.family)  # type: ignore[arg-type]
             reads += fetched.reads
+            if fetched.master is None and fetched.reason:  # the store failed: not lost
+                return fetched.reason
+            if fetched.master is None and ref.segment_id in self._retired:
+                round_ = self._retired.get(ref.segment_id)
+                return f"master retired: segment {ref.segment_id[:16]} published in round {round_}"
+            if fetched.master is not None and load.family is not None:
+                self.cache.hold(ref.segment_id, load.family)  # type: ignore[arg-type]
             if fetched.master is None:
                 self.out.lost.append(ref.segment_id)
                 return f"segment {ref.segment_id[:16]} {fetched.source}"

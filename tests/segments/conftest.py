@@ -12,8 +12,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +47,38 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=10)
+
+
+# Starts LMCache's server with SO_REUSEADDR on its listening socket, so a server restarted on
+# the same port binds at once instead of waiting out the killed one's TIME_WAIT connections.
+_REUSABLE_SERVER = """
+import runpy, socket, sys
+bind = socket.socket.bind
+def reusable_bind(self, address):
+    self.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return bind(self, address)
+socket.socket.bind = reusable_bind
+sys.argv = ["lmcache.v1.server", *sys.argv[1:]]
+runpy.run_module("lmcache.v1.server", run_name="__main__")
+"""
+
+
+def start_lm_server(port: int) -> subprocess.Popen[bytes]:
+    """A fresh LMCache server process on ``port`` (nothing stored), once it says it listens:
+    an answer on the port alone could come from another process."""
+    env = {**os.environ, "LMCACHE_LOG_LEVEL": "INFO"}
+    fd, name = tempfile.mkstemp(prefix="lm-server-", suffix=".log")
+    cmd = [sys.executable, "-c", _REUSABLE_SERVER, "127.0.0.1", str(port), "cpu"]
+    proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, env=env)
+    os.close(fd)  # the child keeps its own descriptor
+    deadline = time.monotonic() + 60
+    while b"Server started at" not in Path(name).read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(proc)
+            raise RuntimeError(f"LMCache server on {port} did not start: {name}")
+        time.sleep(0.1)
+    _wait_port(port, proc)
+    return proc
 
 
 @pytest.fixture(scope="session")

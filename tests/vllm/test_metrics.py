@@ -76,3 +76,4 @@ def test_reuse_counters_and_registry_sizes_on_vllm_metrics(tmp_path: Path) -> No
     assert _metric(text, "vllm:kmesh_published_segments") == 1
     assert _metric(text, "vllm:kmesh_plans") == 0  # every finished request's plan is gone
     assert _metric(text, "vllm:kmesh_indexed_segments") == 1
+    assert _metric(text, "vllm:kmesh_store_up") == 1

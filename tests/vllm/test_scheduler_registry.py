@@ -87,3 +87,37 @@ def test_keeps_of_finished_requests_that_were_never_stored_are_dropped() -> None
     side.build_meta(SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
                                     scheduled_cached_reqs=SimpleNamespace(req_ids=[])))  # fmt: skip
     assert side._keeping == {}
+
+
+def _empty_step() -> Any:
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
+                           scheduled_cached_reqs=cached)  # fmt: skip
+
+
+def test_rounds_and_closes_reach_the_worker_until_it_applied_them() -> None:
+    side = _side()
+    assert side.build_meta(_empty_step()).round is None  # no round announced yet
+    side.num_matched(_request("a", [[4, 40]], round=3, family="f", close=True), 0)
+    side.num_matched(_request("b", [[4, 40]], round=1), 0)  # rounds only move forward
+    assert side.build_meta(_empty_step()).round == 3
+    side.finished(SimpleNamespace(request_id="a"))
+    assert side.build_meta(_empty_step()).closes == [(1, "f")]
+    assert side.build_meta(_empty_step()).closes == [(1, "f")]  # sent again: no answer yet
+    side.on_worker_output(KMeshWorkerMetadata(closed_upto=1))
+    assert side.build_meta(_empty_step()).closes == []
+
+
+def test_a_retired_segment_is_reported_and_stored_again() -> None:
+    side = _side()
+    side.num_matched(_request("r", [[4, 40]], round=0), 0)
+    segment = side.plans["r"].segments[0].segment_id
+    side.published.add(segment)
+    side.on_worker_output(KMeshWorkerMetadata(retired={segment: 0}))
+    assert segment not in side.published
+    assert side.num_matched(_request("f", [[4, 40]], round=2), 0) == 0  # computes it
+    report = side.plans["f"].report
+    assert report["fallback"].startswith(f"master retired: segment {segment[:16]}")
+    assert [r.segment_id for r in side.plans["f"].saves] == [segment]  # stores it again
+    side.on_worker_output(KMeshWorkerMetadata(published=[segment]))
+    assert segment in side.published and segment not in side.retired

@@ -27,3 +27,6 @@ def test_fallback_reasons_are_short_labels() -> None:
     assert fallback_reason("load error: segment 1234 miss") == "load error"
     assert fallback_reason("bad annotation: segments='xxx'") == "bad annotation"
     assert len(fallback_reason("x" * 500)) == 40 and fallback_reason("") == "unknown"
+    down = "kmesh.store lm://10.0.0.1:65432 unavailable: no answer within 0.50 s"
+    assert fallback_reason(down) == "store unavailable"
+    assert fallback_reason(f"load error: {down}") == "load error"

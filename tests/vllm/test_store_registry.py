@@ -8,25 +8,22 @@ document again, so the next follow-up reuses it. Reports say why reuse was skipp
 from __future__ import annotations
 
 import gc
-import json
 import os
+import signal
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kmesh_blend.segments.health import RETRY_S
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
 from kmesh_blend.testing.engine import make_llm
-from tests.segments.conftest import _free_port, _stop, _wait_port
+from tests.segments.conftest import _free_port, _stop, start_lm_server
 from tests.vllm.family import DOC_LEN, kv_transfer_config, prompts
 
 pytestmark = pytest.mark.vllm
-ROOT = Path(__file__).resolve().parents[2]
 
 Out = tuple[list[int], dict[str, Any]]
 
@@ -54,46 +51,23 @@ def _stock(items: list[list[int]]) -> list[list[int]]:
     return _engine(lambda llm: [_generate(llm, ids, None)[0] for ids in items])
 
 
-# Starts LMCache's server with SO_REUSEADDR on its listening socket, so a server restarted on
-# the same port binds at once instead of waiting out the killed one's TIME_WAIT connections.
-_REUSABLE_SERVER = """
-import runpy, socket, sys
-bind = socket.socket.bind
-def reusable_bind(self, address):
-    self.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    return bind(self, address)
-socket.socket.bind = reusable_bind
-sys.argv = ["lmcache.v1.server", *sys.argv[1:]]
-runpy.run_module("lmcache.v1.server", run_name="__main__")
-"""
-
-
-def _lm_server(port: int) -> subprocess.Popen[bytes]:
-    """A fresh LMCache server process on ``port`` (nothing stored), once it says it listens:
-    an answer on the port alone could come from another process."""
-    env = {**os.environ, "LMCACHE_LOG_LEVEL": "INFO"}
-    fd, name = tempfile.mkstemp(prefix="lm-server-", suffix=".log")
-    cmd = [sys.executable, "-c", _REUSABLE_SERVER, "127.0.0.1", str(port), "cpu"]
-    proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, env=env)
-    os.close(fd)  # the child keeps its own descriptor
-    deadline = time.monotonic() + 60
-    while b"Server started at" not in Path(name).read_bytes():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _stop(proc)
-            raise RuntimeError(f"LMCache server on {port} did not start: {name}")
-        time.sleep(0.1)
-    _wait_port(port, proc)
-    return proc
-
-
 def test_a_master_lost_with_its_lm_server_is_stored_again_by_the_next_reader() -> None:
-    """Reuse, `lm://` server killed and restarted empty, then three more follow-ups (in a fresh
-    process: tests/vllm/lm_restart_proc.py)."""
-    proc = subprocess.run([sys.executable, "-m", "tests.vllm.lm_restart_proc"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    got = json.loads(lines[-1][len("RESULT ") :])
+    """Reuse; the `lm://` server killed and restarted empty on the same port; three more
+    follow-ups: the first misses once (and stores the document again), the next two reuse."""
+    family = prompts(seed=5)
+    port = _free_port()
+    server = [start_lm_server(port)]
+
+    def run(llm: Any) -> list[Out]:
+        out = [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in range(2)]
+        _stop(server[0])  # every master is gone with it
+        server[0] = start_lm_server(port)
+        return out + [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in range(2, 5)]
+
+    try:
+        got = _engine(run, store=f"lm://127.0.0.1:{port}", retention_bytes=0)
+    finally:
+        _stop(server[0])
     reports = [r for _, r in got]
     assert reports[1]["reused_tokens"] == DOC_LEN
     assert reports[2]["reused_tokens"] == 0 and "load error" in reports[2]["fallback"]
@@ -101,7 +75,43 @@ def test_a_master_lost_with_its_lm_server_is_stored_again_by_the_next_reader() -
     # The failed follow-up was recomputed and stored the document again: reuse resumes.
     assert [r["reused_tokens"] for r in reports[3:]] == [DOC_LEN, DOC_LEN]
     assert all(r["fallback"] is None for r in reports[3:])
-    assert got[2][0] == _stock([prompts(seed=5)[2][0]])[0]  # the failed one: stock's tokens
+    assert got[2][0] == _stock([family[2][0]])[0]  # the failed one: stock's tokens
+
+
+def test_a_hung_lm_server_costs_its_requests_their_reuse_not_the_engine() -> None:
+    """SIGSTOP on the `lm://` server: the follow-ups that need it fall back within the deadline,
+    naming the store; unannotated traffic is served as before; after SIGCONT reuse resumes."""
+    family, other = prompts(seed=11), prompts(seed=12)[0][0]
+    port = _free_port()
+    server = start_lm_server(port)
+    url = f"lm://127.0.0.1:{port}"
+    waits: list[float] = []
+
+    def run(llm: Any) -> list[Out]:
+        out = [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in range(2)]
+        os.kill(server.pid, signal.SIGSTOP)
+        for ids, spans in [family[2], (other, None), family[3]]:
+            start = time.monotonic()
+            out.append(_generate(llm, ids, {"segments": spans} if spans else None))
+            waits.append(time.monotonic() - start)
+        os.kill(server.pid, signal.SIGCONT)
+        time.sleep(3 * RETRY_S)  # the background probe finds it answering
+        return [*out, _generate(llm, family[4][0], {"segments": family[4][1]})]
+
+    try:
+        got = _engine(run, store=url, retention_bytes=0, store_timeout_s=0.3)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        _stop(server)
+    reports = [r for _, r in got]
+    assert reports[1]["reused_tokens"] == DOC_LEN
+    for report in (reports[2], reports[4]):
+        assert report["reused_tokens"] == 0
+        assert report["fallback"].startswith(f"load error: kmesh.store {url} unavailable: ")
+    assert reports[3] == {}  # unannotated: no report, served as stock serves it
+    assert max(waits) < 5.0, waits  # one 0.3 s deadline at most (it was 30 s before)
+    assert reports[5]["reused_tokens"] == DOC_LEN and reports[5]["fallback"] is None
+    assert [g[0] for g in got[2:5]] == _stock([family[2][0], other, family[3][0]])
 
 
 def test_a_master_evicted_under_the_store_budget_is_stored_again() -> None:
@@ -144,7 +154,8 @@ def test_an_lm_server_down_at_start_is_used_once_it_answers() -> None:
 
     def run(llm: Any) -> list[Out]:
         out = [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in range(2)]
-        server.append(_lm_server(port))
+        server.append(start_lm_server(port))
+        time.sleep(3 * RETRY_S)  # the background probe finds it answering
         out += [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in range(2, 4)]
         return out
 
@@ -155,6 +166,8 @@ def test_an_lm_server_down_at_start_is_used_once_it_answers() -> None:
             _stop(proc)
     reused = [r["reused_tokens"] for _, r in got]
     assert reused[:2] == [0, 0]  # nothing could be stored: served on the stock path
+    for _, report in got[:2]:  # each says which store and why
+        assert report["fallback"].startswith(f"kmesh.store lm://127.0.0.1:{port} unavailable: ")
     assert reused[2:] == [0, DOC_LEN]  # the first after it answered stores, the next reuses
 
 
