@@ -10,7 +10,8 @@ Lifetime. A segment published in round ``r`` lives while ``current_round < r + k
 *retired* (removed, returned with state ``EVICTED`` so the caller can free its storage) unless it
 is pinned by an open family or in use (refcount > 0); such an entry is retired as soon as the last
 pin or reference goes. Entries published without a round are not round-scoped: they live until
-`evict`.
+`evict`, or until the index holds ``max_entries`` and they are the oldest not held (the index
+forgets them; their masters stay in the store until the store's own budget evicts them).
 
 States: ``COLD`` (master only in the backing tier) → ``LOADING`` (a read in flight) → ``READY``
 (in host RAM); ``LOADING → COLD`` on a failed read, ``READY → COLD`` when host RAM drops it.
@@ -90,10 +91,13 @@ class _Entry:
 class SegmentIndex:
     """Round-aware index of shared segments (see the module docstring for the lifetime rules)."""
 
-    def __init__(self, keep_rounds: int = 2) -> None:
+    def __init__(self, keep_rounds: int = 2, max_entries: int = 1 << 16) -> None:
         if isinstance(keep_rounds, bool) or not isinstance(keep_rounds, int) or keep_rounds < 1:
             raise ValueError(f"keep_rounds must be an int >= 1, got {keep_rounds!r}")
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries!r}")
         self.keep_rounds = keep_rounds
+        self.max_entries = max_entries
         self._round = 0
         self._entries: dict[SegmentId, _Entry] = {}
         self._open_families: set[str] = set()
@@ -166,6 +170,7 @@ class SegmentIndex:
             if entry is None:
                 entry = _Entry(segment_id, num_tokens, position_offset, round, nbytes, state)
                 self._entries[segment_id] = entry
+                self._forget_oldest()
             elif entry.round is not None:
                 entry.round = None if round is None else max(entry.round, round)
             if family is not None:
@@ -272,6 +277,15 @@ class SegmentIndex:
         if entry is None:
             raise KeyError(f"unknown segment {segment_id!r}")
         return entry
+
+    def _forget_oldest(self) -> None:
+        """Over ``max_entries``: drop the oldest entries that nothing holds."""
+        excess = len(self._entries) - self.max_entries
+        if excess <= 0:
+            return
+        gone = [sid for sid, e in self._entries.items() if not self._held(e)][:excess]
+        for sid in gone:
+            del self._entries[sid]
 
     def _held(self, entry: _Entry) -> bool:
         return entry.refcount > 0 or bool(entry.pins & self._open_families)

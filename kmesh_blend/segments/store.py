@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 _KV_PREFIX = "kmesh"
 _META_PREFIX = "kmesh-meta"
 _BLOB_PREFIX = "kmesh-blob"
+_MAX_REJECTED = 1024
 _PROBE_ID = "0" * 32  # never written: a probe only asks whether the tier answers
 
 
@@ -84,6 +85,7 @@ class LMCacheMasterStore:
         )
         self._lock = threading.Lock()
         self.num_corrupt = 0
+        self._rejected: dict[SegmentId, str] = {}  # recent rejections: id → why (bounded)
         self.last_error = ""  # why the last refused `put` was refused, in words
         try:  # one behaviour for every kind: a store that does not answer now is down
             self._probe()
@@ -144,11 +146,16 @@ class LMCacheMasterStore:
                         obj.ref_count_down()
 
     def get(self, segment_id: SegmentId) -> Master | None:
-        """The master, or None (absent or rejected); raises `StoreUnavailable` while the tier
-        is down."""
+        """The master, or None (absent, or rejected: `rejected` says why); raises
+        `StoreUnavailable` while the tier is down."""
         self.health.check()
         with self._lock:
+            self._rejected.pop(segment_id, None)
             return self._get_locked(segment_id)
+
+    def rejected(self, segment_id: SegmentId) -> str | None:
+        """Why the last `get` of ``segment_id`` refused its master (integrity), else None."""
+        return self._rejected.get(segment_id)
 
     def contains(self, segment_id: SegmentId) -> bool:
         """Whether the metadata object exists (a cheap check; `get` still verifies); raises
@@ -263,6 +270,9 @@ class LMCacheMasterStore:
         the segment stores it again); returns None (what `get` then returns)."""
         self.num_corrupt += 1
         log.warning("kmesh store %s: master %s… rejected: %s", self.tier, segment_id[:12], why)
+        if len(self._rejected) >= _MAX_REJECTED:
+            self._rejected.pop(next(iter(self._rejected)))
+        self._rejected[segment_id] = why
         for key in (
             self._key(_META_PREFIX, segment_id, torch.uint8),
             self._key(_KV_PREFIX, segment_id, self._dtype),

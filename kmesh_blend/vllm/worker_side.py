@@ -273,6 +273,10 @@ class WorkerSide:
             reads += fetched.reads
             if fetched.master is None and fetched.reason:  # the store failed: not lost
                 return fetched.reason
+            rejected = self.store.rejected(ref.segment_id)  # type: ignore[arg-type]
+            if fetched.master is None and rejected is not None:  # deleted: stored again next
+                self.out.lost.append(ref.segment_id)
+                return f"segment {ref.segment_id[:16]} failed its integrity check: {rejected}"
             if fetched.master is None and ref.segment_id in self._retired:
                 round_ = self._retired.get(ref.segment_id)
                 return f"master retired: segment {ref.segment_id[:16]} published in round {round_}"

@@ -168,3 +168,17 @@ class IndexMachine(RuleBasedStateMachine):
 
 TestIndexMachine = IndexMachine.TestCase
 TestIndexMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_the_index_forgets_its_oldest_unheld_entries_beyond_its_cap() -> None:
+    index = SegmentIndex(keep_rounds=2, max_entries=3)
+    for i in range(3):
+        index.publish(f"s{i}", 4)
+    index.pin("s0", "fam")  # held: never forgotten while its family is open
+    index.publish("s3", 4)
+    index.publish("s4", 4)
+    assert len(index) == 3 and "s0" in index and {"s1", "s2"}.isdisjoint(set(_ids(index)))
+
+
+def _ids(index: SegmentIndex) -> list[str]:
+    return [info.segment_id for info in index.entries()]

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -185,3 +186,49 @@ def test_a_store_too_small_for_one_master_says_so() -> None:
         assert report["reused_tokens"] == 0
         assert "not stored" in report["fallback"] and "no room" in report["fallback"]
         assert len(report["fallback"]) <= 200
+
+
+@pytest.mark.parametrize("fault", ["flip", "truncate", "delete", "swap"])
+def test_a_damaged_master_on_disk_is_refused_and_stored_again(fault: str, tmp_path: Path) -> None:
+    """The disk store's files of document A are damaged after A and B were read: a bit flipped,
+    the KV file cut short, both files deleted, or B's files copied over A's. A's next follow-up
+    is served on the stock path naming why, and stores A again; the one after reuses it."""
+    a, b = prompts(seed=13), prompts(seed=14)
+    root = tmp_path / "kv"
+    files: list[set[Path]] = []
+
+    def run(llm: Any) -> list[Out]:
+        out = [_generate(llm, a[0][0], {"segments": a[0][1]})]
+        files.append(set(root.iterdir()))
+        out.append(_generate(llm, b[0][0], {"segments": b[0][1]}))
+        _damage(fault, files[0], set(root.iterdir()) - files[0])
+        return out + [_generate(llm, a[i][0], {"segments": a[i][1]}) for i in (1, 2)]
+
+    got = _engine(run, store=f"disk://{root}", retention_bytes=0)
+    reports = [r for _, r in got]
+    assert [r["reused_tokens"] for r in reports] == [0, 0, 0, DOC_LEN]
+    why = reports[2]["fallback"]
+    if fault == "delete":
+        assert why.startswith("load error: segment ") and why.endswith(" miss")
+    else:
+        assert "failed its integrity check" in why, why
+    assert reports[3]["fallback"] is None
+    assert got[2][0] == _stock([a[1][0]])[0]  # the refused one: stock's tokens
+
+
+def _damage(fault: str, doc_a: set[Path], doc_b: set[Path]) -> None:
+    kv_a = next(p for p in doc_a if not p.name.startswith("kmesh-meta@"))
+    if fault == "flip":
+        data = bytearray(kv_a.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        kv_a.write_bytes(bytes(data))
+    elif fault == "truncate":
+        kv_a.write_bytes(kv_a.read_bytes()[: kv_a.stat().st_size // 2])
+    elif fault == "delete":
+        for path in doc_a:
+            path.unlink()
+    else:  # B's consistent master under A's names
+        for path in doc_a:
+            kind = "kmesh-meta@" if path.name.startswith("kmesh-meta@") else "kmesh@"
+            source = next(p for p in doc_b if p.name.startswith(kind))
+            path.write_bytes(source.read_bytes())
