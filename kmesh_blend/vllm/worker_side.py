@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -265,11 +266,13 @@ class WorkerSide:
             return "paged KV layout unknown"
         if _fault_injector is not None and (reason := _fault_injector(load)) is not None:
             return reason
-        reads = 0
+        reads, waited = 0, 0.0
         for ref in load.segments:
             if ref.segment_id in masters:
                 continue
+            start = time.perf_counter()
             fetched = self.cache.fetch(ref.segment_id, family=load.family)  # type: ignore[arg-type]
+            waited += time.perf_counter() - start
             reads += fetched.reads
             if fetched.master is None and fetched.reason:  # the store failed: not lost
                 return fetched.reason
@@ -289,7 +292,8 @@ class WorkerSide:
                 self.out.lost.append(ref.segment_id)
                 return f"segment {ref.segment_id[:16]} has {fetched.master.num_tokens} tokens"
             masters[ref.segment_id] = fetched.master
-        self.out.reports.setdefault(load.req_id, {})["storage_reads"] = reads
+        report = self.out.reports.setdefault(load.req_id, {})
+        report["storage_reads"], report["load_ms"] = reads, round(waited * 1e3, 3)
         return None
 
     def _blend_request(self, load: LoadRequest, masters: dict[str, Any]) -> BlendRequest:

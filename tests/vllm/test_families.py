@@ -108,4 +108,5 @@ def test_a_prepared_family_reads_nothing_in_its_follow_ups(redis_server: str) ->
     assert [r["storage_reads"] for _, r in unprepared] == [1, 0]  # the first follow-up reads
     assert [r["storage_reads"] for _, r in prepared] == [1, 0, 0]  # the notice read it
     assert all(r["reused_tokens"] == DOC_LEN for _, r in unprepared + prepared)
+    assert all(r["load_ms"] >= 0 for _, r in unprepared + prepared)  # the wait for masters
     assert [t for t, _ in prepared[1:]] == [t for t, _ in unprepared]
