@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 from kmesh_blend.artifacts.errors import ArtifactError
@@ -19,42 +18,30 @@ from kmesh_blend.artifacts.objects import SharedArtifact
 from kmesh_blend.segments.identity import SegmentId
 from kmesh_blend.segments.index import SegmentIndex
 from kmesh_blend.segments.metrics import SegmentMetrics
-from kmesh_blend.segments.notice import Notice, PrepareReport
+from kmesh_blend.segments.notice import Notice
 
 if TYPE_CHECKING:
     from kmesh_blend.artifacts.store import ArtifactStore, Fetched, Prepared
     from kmesh_blend.segments.cache import SegmentCache
 
-__all__ = ["prepare", "prepare_async", "shutdown"]
+__all__ = ["make_notice", "prepare"]
 
 log = logging.getLogger(__name__)
 
 
 def prepare(store: ArtifactStore, family: str, keys: list[str]) -> Prepared:
-    """Load and pin ``keys`` for the open ``family`` now; per-key results come back too."""
+    """Load and pin ``keys`` for the open ``family`` now (the store checked both); per-key
+    results come back too."""
     from kmesh_blend.artifacts.store import Prepared
 
-    _check(store, family, keys)
     adapter = _NoticeAdapter(store)
     report = Notice(_as_cache(adapter)).prepare(family, [SegmentId(k) for k in keys])
     return Prepared(report, tuple(adapter.fetched))
 
 
-def prepare_async(store: ArtifactStore, family: str, keys: list[str]) -> Future[PrepareReport]:
-    """`prepare` on the store's notice thread (one per store, made on first use)."""
-    _check(store, family, keys)
-    with store._lock:
-        if store._notice is None:
-            store._notice = Notice(_as_cache(_NoticeAdapter(store)))
-        notice = store._notice
-    return notice.prepare_async(family, [SegmentId(k) for k in keys])
-
-
-def shutdown(store: ArtifactStore) -> None:
-    """Wait for running preparations and stop the store's notice thread."""
-    if store._notice is not None:
-        store._notice.close()
-        store._notice = None
+def make_notice(store: ArtifactStore) -> Notice:
+    """The `Notice` that runs ``store``'s background preparations (one per store)."""
+    return Notice(_as_cache(_NoticeAdapter(store)))
 
 
 class _NoticeFetch(NamedTuple):
@@ -100,9 +87,3 @@ class _NoticeAdapter:
 def _as_cache(adapter: _NoticeAdapter) -> SegmentCache:
     # Notice is typed against SegmentCache but only uses index, metrics and fetch_many.
     return cast("SegmentCache", adapter)
-
-
-def _check(store: ArtifactStore, family: str, keys: list[str]) -> None:
-    store._check_open(family)
-    for key in keys:
-        store._require(key)

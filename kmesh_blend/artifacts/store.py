@@ -183,13 +183,19 @@ class ArtifactStore(FamilyLifecycle):
         """Application notice: load and pin ``keys`` for ``family`` now (through `Notice`)."""
         from kmesh_blend.artifacts.prepare import prepare
 
-        return prepare(self, family, list(keys))
+        keys = self._check_keys(family, keys)
+        return prepare(self, family, keys)
 
     def prepare_async(self, family: str, keys: Iterable[str]) -> Future[PrepareReport]:
         """`prepare` on one background thread; children arriving meanwhile join its loads."""
-        from kmesh_blend.artifacts.prepare import prepare_async
+        from kmesh_blend.artifacts.prepare import make_notice
 
-        return prepare_async(self, family, list(keys))
+        keys = self._check_keys(family, keys)
+        with self._lock:
+            if self._notice is None:
+                self._notice = make_notice(self)
+            notice = self._notice
+        return notice.prepare_async(family, [SegmentId(k) for k in keys])
 
     # -- accounting ---------------------------------------------------------------------------
 
@@ -221,12 +227,19 @@ class ArtifactStore(FamilyLifecycle):
 
     def close(self) -> None:
         """Stop the notice thread and delete the disk tier's files."""
-        from kmesh_blend.artifacts.prepare import shutdown
-
-        shutdown(self)
+        if self._notice is not None:
+            self._notice.close()
+            self._notice = None
         self.disk.close()
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _check_keys(self, family: str, keys: Iterable[str]) -> list[str]:
+        self._check_open(family)
+        out = list(keys)
+        for key in out:
+            self._require(key)
+        return out
 
     def _require(self, key: str) -> _Decl:
         decl = self._decls.get(key)

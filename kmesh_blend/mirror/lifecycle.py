@@ -39,7 +39,6 @@ from kmesh_blend.segments.master import Master, kv_checksum
 if TYPE_CHECKING:
     from kmesh_blend.segments.cache import SegmentCache
     from kmesh_blend.segments.index import SegmentInfo
-    from kmesh_blend.segments.store import LMCacheMasterStore
 
 __all__ = ["MirrorFetch", "MirrorStore", "master_version", "mirror_id"]
 
@@ -81,12 +80,12 @@ def master_version(master: Master) -> str:
 
 
 class MirrorStore:
-    """Mirrors in the store and index of one `SegmentCache` (its store must be an
-    `LMCacheMasterStore`: mirrors are opaque objects there, ``put_blob`` / ``get_blob``)."""
+    """Mirrors in the store and index of one `SegmentCache` (opaque objects in its store:
+    ``put_blob`` / ``get_blob``)."""
 
     def __init__(self, cache: SegmentCache, compress: bool = False) -> None:
         self.cache, self.compress = cache, compress  # compress: byte-plane zlib rows (wire)
-        self.store: LMCacheMasterStore = cache.store  # type: ignore[assignment]
+        self.store = cache.store
         self.num_corrupt = 0
         self._mirrors: set[SegmentId] = set()
 

@@ -13,6 +13,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kmesh_blend.segments.identity import SegmentId
+
 __all__ = [
     "VLLM_TAIL",
     "KMeshMetadata",
@@ -39,7 +41,7 @@ class SegmentRef:
 
     start: int
     end: int
-    segment_id: str
+    segment_id: SegmentId
 
 
 @dataclass

@@ -162,7 +162,7 @@ class SchedulerSide:
         if salt:  # tenants with different salts never share KV
             namespace = dataclasses.replace(namespace, cache_salt=str(salt))
         ids = segment_ids(namespace, tokens, spans)
-        refs = [SegmentRef(s, e, str(i)) for (s, e), i in zip(spans, ids, strict=True)]
+        refs = [SegmentRef(s, e, i) for (s, e), i in zip(spans, ids, strict=True)]
         annotation = parsed.annotation
         plan = _Plan(tokens, refs, first=num_computed_tokens, family=annotation.family,
                      round=annotation.round, close=annotation.close)  # fmt: skip

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ def save_turn(
     record_id: str,
     kv: torch.Tensor,
     uses: Sequence[SegmentRef],
-    masters: dict[str, Any],
+    masters: Mapping[SegmentId, Any],
     inv_freq: torch.Tensor,
 ) -> int:
     """Store the turn record of a prompt's KV ``kv`` [L, 2, T, Hkv, D]; its bytes, 0 on failure.

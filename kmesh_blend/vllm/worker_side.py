@@ -189,12 +189,12 @@ class WorkerSide:
                 rows = [self.paged.read(cache, slots) for cache in self.kv_caches]
                 kv = torch.stack([torch.stack(kv_pair) for kv_pair in rows])  # [L, 2, S, Hkv, D]
                 positions = torch.arange(ref.start, ref.end, dtype=torch.int64)
-                if self.cache.publish(ref.segment_id, kv.cpu(), positions,  # type: ignore[arg-type]
+                if self.cache.publish(ref.segment_id, kv.cpu(), positions,
                                       round=save.round, family=save.family):  # fmt: skip
                     self.out.published.append(ref.segment_id)
                     self._retired.pop(ref.segment_id)
                     if save.family is not None:
-                        self.cache.hold(ref.segment_id, save.family)  # type: ignore[arg-type]
+                        self.cache.hold(ref.segment_id, save.family)
                 else:
                     log.warning("kmesh: could not store segment %s", ref.segment_id[:16])
                     self.out.unpublished.append(ref.segment_id)
@@ -271,12 +271,12 @@ class WorkerSide:
             if ref.segment_id in masters:
                 continue
             start = time.perf_counter()
-            fetched = self.cache.fetch(ref.segment_id, family=load.family)  # type: ignore[arg-type]
+            fetched = self.cache.fetch(ref.segment_id, family=load.family)
             waited += time.perf_counter() - start
             reads += fetched.reads
             if fetched.master is None and fetched.reason:  # the store failed: not lost
                 return fetched.reason
-            rejected = self.store.rejected(ref.segment_id)  # type: ignore[arg-type]
+            rejected = self.store.rejected(ref.segment_id)
             if fetched.master is None and rejected is not None:  # deleted: stored again next
                 self.out.lost.append(ref.segment_id)
                 return f"segment {ref.segment_id[:16]} failed its integrity check: {rejected}"
@@ -284,7 +284,7 @@ class WorkerSide:
                 round_ = self._retired.get(ref.segment_id)
                 return f"master retired: segment {ref.segment_id[:16]} published in round {round_}"
             if fetched.master is not None and load.family is not None:
-                self.cache.hold(ref.segment_id, load.family)  # type: ignore[arg-type]
+                self.cache.hold(ref.segment_id, load.family)
             if fetched.master is None:
                 self.out.lost.append(ref.segment_id)
                 return f"segment {ref.segment_id[:16]} {fetched.source}"
@@ -308,7 +308,8 @@ class WorkerSide:
         for ref in load.segments:
             if ref.end <= first:
                 continue
-            segment_id, start = ref.segment_id, max(ref.start, first)
+            segment_id: str = ref.segment_id
+            start = max(ref.start, first)
             if start > ref.start:  # keep the stored rows of [start, end) only
                 cut, master = start - ref.start, masters[ref.segment_id]
                 segment_id = f"{ref.segment_id}@{cut}"
@@ -381,7 +382,7 @@ class WorkerSide:
 
     def _keep_turn(self, load: LoadRequest) -> None:
         assert load.keep is not None
-        masters = {r.segment_id: self.cache.fetch(r.segment_id).master for r in load.segments}  # type: ignore[arg-type]
+        masters = {r.segment_id: self.cache.fetch(r.segment_id).master for r in load.segments}
         if any(m is None for m in masters.values()):
             log.warning("kmesh: turn of %s not kept: a master is gone", load.req_id)
             return
