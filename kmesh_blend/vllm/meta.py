@@ -6,7 +6,7 @@ Plain dataclasses (picklable: in multiprocess mode they cross a process boundary
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -20,8 +20,10 @@ __all__ = [
     "KMeshMetadata",
     "KMeshWorkerMetadata",
     "LoadRequest",
+    "Report",
     "SaveRequest",
     "SegmentRef",
+    "new_report",
 ]
 
 
@@ -33,6 +35,26 @@ attention takes a decode path for a single query token, whose bits differ more f
 inside a prefill (measured on the tiny fp32 Llama: log-probabilities identical to stock with 2,
 not with 1). The blend's own results for these tokens (their KV, the last one's final hidden
 state) replace vLLM's: `kmesh_blend/vllm/tails.py`."""
+
+
+class Report(TypedDict, total=False):
+    """A request's reuse report (``RequestOutput.kv_transfer_params["kmesh"]``; the fields are
+    documented in docs/contract.md). The scheduler side owns it; the worker side's outcomes are
+    merged into it."""
+
+    reused_tokens: int
+    recomputed_tokens: int
+    storage_reads: int
+    fallback: str | None
+    prefix_cached_tokens: int
+    load_ms: float
+    kept_bytes: int
+    restored_tokens: int
+
+
+def new_report() -> Report:
+    """The fields every annotated request's report has."""
+    return {"reused_tokens": 0, "recomputed_tokens": 0, "storage_reads": 0, "fallback": None}
 
 
 @dataclass(frozen=True)
@@ -84,7 +106,7 @@ class KMeshMetadata(KVConnectorMetadata):
 class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
     """Per-request outcomes of the worker side: req_id → report fields; segment ids published."""
 
-    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reports: dict[str, Report] = field(default_factory=dict)
     published: list[str] = field(default_factory=list)
     turns: list[str] = field(default_factory=list)  # turn records stored this step
     disabled: str | None = None  # why reuse cannot run in this engine (unsupported model)

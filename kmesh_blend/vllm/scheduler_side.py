@@ -21,8 +21,10 @@ from kmesh_blend.vllm.meta import (
     KMeshMetadata,
     KMeshWorkerMetadata,
     LoadRequest,
+    Report,
     SaveRequest,
     SegmentRef,
+    new_report,
 )
 from kmesh_blend.vllm.prefix_cache import Privatizer
 from kmesh_blend.vllm.registry import LruDict, LruSet
@@ -56,14 +58,7 @@ class _Plan:
     family: str | None = None  # the annotation's lifetime fields (docs/contract.md)
     round: int | None = None
     close: bool = False
-    report: dict[str, Any] = field(
-        default_factory=lambda: {
-            "reused_tokens": 0,
-            "recomputed_tokens": 0,
-            "storage_reads": 0,
-            "fallback": None,
-        }
-    )
+    report: Report = field(default_factory=new_report)
 
 
 class SchedulerSide:
@@ -102,7 +97,7 @@ class SchedulerSide:
         # Reports handed out this step. A request that finishes in the step of its prefill
         # (max_tokens=1) is reported before the worker's outcome arrives later in the same
         # `update_from_output`; the outcome is merged into the same dict before vLLM emits it.
-        self._recent: dict[str, dict[str, Any]] = {}
+        self._recent: dict[str, Report] = {}
         self._counted: set[str] = set()  # of `_recent`, already in the metrics
         self._gauges: dict[str, int] = {}
         # Rounds and families (the worker's round-aware index acts on them): the latest round
@@ -310,8 +305,9 @@ class SchedulerSide:
             plan = self.plans.get(req_id)
             target = plan.report if plan is not None else self._recent.get(req_id)
             if target is not None:
-                if report.get("fallback"):
-                    report = {**report, "fallback": _short(report["fallback"])}
+                reason = report.get("fallback")
+                if reason:
+                    report = {**report, "fallback": _short(reason)}
                 target.update(report)
             if plan is not None and report.get("fallback") and plan.turn is None:
                 # The load failed and vLLM recomputes the prompt: once it has, store every
@@ -319,7 +315,7 @@ class SchedulerSide:
                 plan.saved = False
                 plan.saves = [r for r in plan.segments if r.segment_id not in self.published]
 
-    def finished(self, request: Any) -> dict[str, Any] | None:
+    def finished(self, request: Any) -> dict[str, Report] | None:
         """The report for ``RequestOutput.kv_transfer_params``; None for unannotated requests."""
         if self.privatizer is not None:
             self.privatizer.forget(request.request_id)
@@ -350,12 +346,14 @@ class SchedulerSide:
             if req_id in self._counted:
                 continue
             self._counted.add(req_id)
-            for name in ("reused_tokens", "recomputed_tokens", "storage_reads"):
-                add(name, int(report.get(name) or 0))
-            add("prefix_cached_tokens", int(report.get("prefix_cached_tokens") or 0))
-            if report.get("fallback"):
+            add("reused_tokens", report.get("reused_tokens", 0))
+            add("recomputed_tokens", report.get("recomputed_tokens", 0))
+            add("storage_reads", report.get("storage_reads", 0))
+            add("prefix_cached_tokens", report.get("prefix_cached_tokens", 0))
+            why = report.get("fallback")
+            if why:
                 add("requests|fallback", 1)
-                add(f"fallbacks|{fallback_reason(report['fallback'])}", 1)
+                add(f"fallbacks|{fallback_reason(why)}", 1)
             elif report.get("reused_tokens") or report.get("restored_tokens"):
                 add("requests|reused", 1)
             else:

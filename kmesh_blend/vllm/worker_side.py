@@ -378,7 +378,8 @@ class WorkerSide:
             self._fail(load, reason)
             return
         report = self.out.reports.setdefault(load.req_id, {})
-        report.update(reused_tokens=load.turn_len, recomputed_tokens=0, storage_reads=0)
+        report["reused_tokens"], report["recomputed_tokens"] = load.turn_len, 0
+        report["storage_reads"] = 0
 
     def _keep_turn(self, load: LoadRequest) -> None:
         assert load.keep is not None
