@@ -7,8 +7,10 @@ document again, so the next follow-up reuses it. Reports say why reuse was skipp
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 
 from kmesh_blend.segments.health import RETRY_S
+from kmesh_blend.segments.master import MasterMeta
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
 from kmesh_blend.testing.engine import make_llm
 from tests.segments.conftest import _free_port, _stop, start_lm_server
@@ -188,11 +191,12 @@ def test_a_store_too_small_for_one_master_says_so() -> None:
         assert len(report["fallback"]) <= 200
 
 
-@pytest.mark.parametrize("fault", ["flip", "truncate", "delete", "swap"])
+@pytest.mark.parametrize("fault", ["flip", "truncate", "positions", "delete", "rmdir", "swap"])
 def test_a_damaged_master_on_disk_is_refused_and_stored_again(fault: str, tmp_path: Path) -> None:
     """The disk store's files of document A are damaged after A and B were read: a bit flipped,
-    the KV file cut short, both files deleted, or B's files copied over A's. A's next follow-up
-    is served on the stock path naming why, and stores A again; the one after reuses it."""
+    the KV file cut short, its positions altered, its files deleted, the whole directory
+    removed, or B's files copied over A's. A's next follow-up is served on the stock path naming
+    why, and stores A again; the one after reuses it."""
     a, b = prompts(seed=13), prompts(seed=14)
     root = tmp_path / "kv"
     files: list[set[Path]] = []
@@ -208,7 +212,7 @@ def test_a_damaged_master_on_disk_is_refused_and_stored_again(fault: str, tmp_pa
     reports = [r for _, r in got]
     assert [r["reused_tokens"] for r in reports] == [0, 0, 0, DOC_LEN]
     why = reports[2]["fallback"]
-    if fault == "delete":
+    if fault in ("delete", "rmdir"):
         assert why.startswith("load error: segment ") and why.endswith(" miss")
     else:
         assert "failed its integrity check" in why, why
@@ -224,11 +228,53 @@ def _damage(fault: str, doc_a: set[Path], doc_b: set[Path]) -> None:
         kv_a.write_bytes(bytes(data))
     elif fault == "truncate":
         kv_a.write_bytes(kv_a.read_bytes()[: kv_a.stat().st_size // 2])
+    elif fault == "positions":  # consistent bytes, positions moved by 7: the seal breaks
+        meta_a = next(p for p in doc_a if p.name.startswith("kmesh-meta@"))
+        raw = meta_a.read_bytes()
+        meta = MasterMeta.decode(raw)
+        moved = dataclasses.replace(meta, positions=tuple(p + 7 for p in meta.positions)).encode()
+        meta_a.write_bytes(moved + raw[len(moved) :])
     elif fault == "delete":
         for path in doc_a:
             path.unlink()
+    elif fault == "rmdir":
+        shutil.rmtree(next(iter(doc_a)).parent)
     else:  # B's consistent master under A's names
         for path in doc_a:
             kind = "kmesh-meta@" if path.name.startswith("kmesh-meta@") else "kmesh@"
             source = next(p for p in doc_b if p.name.startswith(kind))
             path.write_bytes(source.read_bytes())
+
+
+def test_redis_killed_and_restarted_under_a_serving_engine() -> None:
+    """Redis killed after a document was stored: its follow-ups fall back naming the store
+    (fast), unannotated traffic is served; Redis restarted empty: the next follow-up stores the
+    document again and the one after reuses it."""
+    from tests.segments.test_store_faults import _start
+
+    family, other = prompts(seed=15), prompts(seed=16)[0][0]
+    port = _free_port()
+    url = f"redis://127.0.0.1:{port}"
+    server = [_start("redis", port)]
+
+    def run(llm: Any) -> list[Out]:
+        out = [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in range(2)]
+        _stop(server[0])
+        out += [
+            _generate(llm, family[2][0], {"segments": family[2][1]}),
+            _generate(llm, other, None),
+        ]
+        server[0] = _start("redis", port)
+        time.sleep(3 * RETRY_S)  # the background probe finds it answering
+        return out + [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in (3, 4)]
+
+    try:
+        got = _engine(run, store=url, retention_bytes=0, store_timeout_s=0.3)
+    finally:
+        _stop(server[0])
+    reports = [r for _, r in got]
+    assert [r.get("reused_tokens") for r in reports] == [0, DOC_LEN, 0, None, 0, DOC_LEN]
+    assert reports[2]["fallback"].startswith(f"load error: kmesh.store {url} unavailable: ")
+    assert reports[4]["fallback"].startswith("load error: segment ")  # restarted empty: a miss
+    assert reports[5]["fallback"] is None
+    assert [g[0] for g in got[2:4]] == _stock([family[2][0], other])
