@@ -29,7 +29,7 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import emit
+from _common import emit, use_allocator
 
 from kmesh_blend.testing import smollm2_checkpoint
 from kmesh_blend.testing.engine import make_llm
@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 pairs of 512-token documents")
     args = parser.parse_args()
     pairs, doc_len = (2, 512) if args.quick else (args.pairs, args.doc_len)
+    allocator = use_allocator("tcmalloc")  # vLLM's documented CPU set-up, as the other benches
     path = smollm2_checkpoint()
     readers, follow_ups = _prompts(path, 2 * pairs, doc_len)
     port = _free_port()
@@ -98,6 +99,7 @@ def main() -> None:
         "baseline": "the same engine, a follow-up whose family sent no prepare",
         "quick": args.quick,
         "config": {"model": "SmolLM2-135M-Instruct bf16", "store": "lm:// (LMCache server)",
+                   "allocator": allocator,
                    "doc_len": doc_len, "pairs": pairs, "load_ms": load, "ttft_s": ttft,
                    "ttft_ratio": round(ttft["with"] / ttft["without"], 4),
                    "rows": rows},
