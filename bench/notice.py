@@ -70,7 +70,9 @@ def main() -> None:
         del writer
         gc.collect()
         llm = make_llm(path, **common)
-        _ask(llm, *_plain(follow_ups[0]))  # warm-up, unmeasured
+        # Warm-up, unmeasured, on a prompt no measured request shares a prefix with (a shared
+        # one would be served from vLLM's prefix cache and skip the blend).
+        _ask(llm, *_plain(readers[0]))
         rows: dict[str, list[tuple[float, float]]] = {"without": [], "with": []}
         for i in range(pairs):
             plain_doc, prepared_doc = follow_ups[2 * i], follow_ups[2 * i + 1]
