@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +39,18 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) 
         except OSError:
             time.sleep(0.1)
     raise RuntimeError(f"nothing listened on 127.0.0.1:{port} within {timeout} s")
+
+
+def pause(proc: subprocess.Popen[bytes]) -> None:
+    """SIGSTOP ``proc`` and return once it is stopped: a signal is delivered asynchronously, and
+    on a busy machine the process may still answer a request sent right after `os.kill`."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    stat = Path(f"/proc/{proc.pid}/stat")
+    deadline = time.monotonic() + 30
+    while stat.read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {proc.pid} did not stop")
+        time.sleep(0.01)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from kmesh_blend.segments.health import RETRY_S
 from kmesh_blend.segments.store import LMCacheMasterStore, StoreUnavailable, open_store
-from tests.segments.conftest import _free_port, _stop, _wait_port, start_lm_server
+from tests.segments.conftest import _free_port, _stop, _wait_port, pause, start_lm_server
 from tests.segments.test_master_store import LAYOUT, MiB, _master
 
 TIMEOUT_S = 0.3
@@ -85,7 +85,7 @@ def test_a_hung_server_costs_one_deadline_then_fails_fast(
         assert store.health.up
         sid, kv, pos = _master(1, 64)
         assert store.put(sid, kv, pos)
-        os.kill(proc.pid, signal.SIGSTOP)
+        pause(proc)
         spent, got = _timed(lambda: store.get(sid))
         assert isinstance(got, StoreUnavailable), got
         assert spent < TIMEOUT_S + SLACK_S

@@ -24,7 +24,7 @@ from kmesh_blend.segments.health import RETRY_S
 from kmesh_blend.segments.master import MasterMeta
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
 from kmesh_blend.testing.engine import make_llm
-from tests.segments.conftest import _free_port, _stop, start_lm_server
+from tests.segments.conftest import _free_port, _stop, pause, start_lm_server
 from tests.vllm.family import DOC_LEN, kv_transfer_config, prompts
 
 pytestmark = pytest.mark.vllm
@@ -49,6 +49,21 @@ def _engine(fn: Callable[[Any], Any], **kmesh: Any) -> Any:
     finally:
         del llm
         gc.collect()
+
+
+def _wait_stores_up(llm: Any, limit: float = 60.0) -> None:
+    """Until both sides' stores of the in-process engine say they answer (their probes run
+    every `RETRY_S` seconds; a loaded machine may need a few)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    stores = [get_kv_transfer_group().worker.store]
+    lookup = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.contains
+    if lookup is not None:
+        stores.append(lookup.__self__)
+    deadline = time.monotonic() + limit
+    while not all(store.health.up for store in stores):
+        assert time.monotonic() < deadline, "a store never answered again"
+        time.sleep(RETRY_S / 10)
 
 
 def _stock(items: list[list[int]]) -> list[list[int]]:
@@ -93,13 +108,13 @@ def test_a_hung_lm_server_costs_its_requests_their_reuse_not_the_engine() -> Non
 
     def run(llm: Any) -> list[Out]:
         out = [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in range(2)]
-        os.kill(server.pid, signal.SIGSTOP)
+        pause(server)
         for ids, spans in [family[2], (other, None), family[3]]:
             start = time.monotonic()
             out.append(_generate(llm, ids, {"segments": spans} if spans else None))
             waits.append(time.monotonic() - start)
         os.kill(server.pid, signal.SIGCONT)
-        time.sleep(3 * RETRY_S)  # the background probe finds it answering
+        _wait_stores_up(llm)  # the background probes find it answering
         return [*out, _generate(llm, family[4][0], {"segments": family[4][1]})]
 
     try:
@@ -159,7 +174,7 @@ def test_an_lm_server_down_at_start_is_used_once_it_answers() -> None:
     def run(llm: Any) -> list[Out]:
         out = [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in range(2)]
         server.append(start_lm_server(port))
-        time.sleep(3 * RETRY_S)  # the background probe finds it answering
+        _wait_stores_up(llm)  # the background probes find it answering
         out += [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in range(2, 4)]
         return out
 
@@ -265,7 +280,7 @@ def test_redis_killed_and_restarted_under_a_serving_engine() -> None:
             _generate(llm, other, None),
         ]
         server[0] = _start("redis", port)
-        time.sleep(3 * RETRY_S)  # the background probe finds it answering
+        _wait_stores_up(llm)  # the background probes find it answering
         return out + [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in (3, 4)]
 
     try:
