@@ -24,6 +24,7 @@ from kmesh_blend.blend import BlendOptions, BlendRequest, MasterSource, SegmentU
 from kmesh_blend.config import KMeshConfig
 from kmesh_blend.mirror.lifecycle import MirrorStore
 from kmesh_blend.segments.cache import SegmentCache
+from kmesh_blend.segments.identity import SegmentId
 from kmesh_blend.segments.index import SegmentIndex
 from kmesh_blend.segments.master import MasterLayout
 from kmesh_blend.segments.store import open_store
@@ -274,20 +275,10 @@ class WorkerSide:
             fetched = self.cache.fetch(ref.segment_id, family=load.family)
             waited += time.perf_counter() - start
             reads += fetched.reads
-            if fetched.master is None and fetched.reason:  # the store failed: not lost
-                return fetched.reason
-            rejected = self.store.rejected(ref.segment_id)
-            if fetched.master is None and rejected is not None:  # deleted: stored again next
-                self.out.lost.append(ref.segment_id)
-                return f"segment {ref.segment_id[:16]} failed its integrity check: {rejected}"
-            if fetched.master is None and ref.segment_id in self._retired:
-                round_ = self._retired.get(ref.segment_id)
-                return f"master retired: segment {ref.segment_id[:16]} published in round {round_}"
-            if fetched.master is not None and load.family is not None:
-                self.cache.hold(ref.segment_id, load.family)
             if fetched.master is None:
-                self.out.lost.append(ref.segment_id)
-                return f"segment {ref.segment_id[:16]} {fetched.source}"
+                return self._missing(ref.segment_id, fetched.source, fetched.reason)
+            if load.family is not None:
+                self.cache.hold(ref.segment_id, load.family)
             if fetched.master.num_tokens != ref.end - ref.start:
                 self.out.lost.append(ref.segment_id)
                 return f"segment {ref.segment_id[:16]} has {fetched.master.num_tokens} tokens"
@@ -295,6 +286,21 @@ class WorkerSide:
         report = self.out.reports.setdefault(load.req_id, {})
         report["storage_reads"], report["load_ms"] = reads, round(waited * 1e3, 3)
         return None
+
+    def _missing(self, segment_id: SegmentId, source: str, reason: str) -> str:
+        """Why a master could not be had, in words; one the store no longer holds is reported
+        lost (the scheduler forgets it and the recomputed request stores it again)."""
+        if reason:  # the store failed: the master is not lost
+            return reason
+        rejected = self.store.rejected(segment_id)
+        if rejected is not None:  # deleted by the store
+            self.out.lost.append(segment_id)
+            return f"segment {segment_id[:16]} failed its integrity check: {rejected}"
+        if segment_id in self._retired:
+            round_ = self._retired.get(segment_id)
+            return f"master retired: segment {segment_id[:16]} published in round {round_}"
+        self.out.lost.append(segment_id)
+        return f"segment {segment_id[:16]} {source}"
 
     def _blend_request(self, load: LoadRequest, masters: dict[str, Any]) -> BlendRequest:
         """What the blend computes for ``load``. Tokens before ``load.first`` came from vLLM's

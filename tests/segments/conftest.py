@@ -112,23 +112,30 @@ def lm_server() -> Iterator[str]:
         _stop(proc)
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[str]:
-    """``redis://127.0.0.1:PORT`` of a fresh, non-persistent ``redis-server``."""
+def start_redis_server(port: int) -> subprocess.Popen[bytes]:
+    """A fresh, non-persistent ``redis-server`` on ``port``, once it listens. Without the binary:
+    a failure when ``CI=true`` (CI must run these tests), a skip otherwise."""
     exe = shutil.which("redis-server")
     if exe is None:
         msg = "redis-server is not installed (run scripts/services.sh)"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(msg)
         pytest.skip(msg)
-    port = _free_port()
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,  # never read: a full pipe would stall the server
         stderr=subprocess.DEVNULL,
     )
+    _wait_port(port, proc)
+    return proc
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    """``redis://127.0.0.1:PORT`` of a fresh, non-persistent ``redis-server``."""
+    port = _free_port()
+    proc = start_redis_server(port)
     try:
-        _wait_port(port, proc)
         yield f"redis://127.0.0.1:{port}"
     finally:
         _stop(proc)

@@ -21,7 +21,13 @@ import torch
 
 from kmesh_blend.segments.health import RETRY_S
 from kmesh_blend.segments.store import LMCacheMasterStore, StoreUnavailable, open_store
-from tests.segments.conftest import _free_port, _stop, _wait_port, pause, start_lm_server
+from tests.segments.conftest import (
+    _free_port,
+    _stop,
+    pause,
+    start_lm_server,
+    start_redis_server,
+)
 from tests.segments.test_master_store import LAYOUT, MiB, _master
 
 TIMEOUT_S = 0.3
@@ -29,17 +35,7 @@ SLACK_S = 1.0  # scheduling noise on 2 busy cores; the old behaviour took 30 s o
 
 
 def _start(kind: str, port: int) -> subprocess.Popen[bytes]:
-    if kind == "lm":
-        return start_lm_server(port)
-    exe = shutil.which("redis-server")
-    if exe is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("redis-server is not installed (run scripts/services.sh)")
-        pytest.skip("redis-server is not installed (run scripts/services.sh)")
-    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_port(port, proc)
-    return proc
+    return start_lm_server(port) if kind == "lm" else start_redis_server(port)
 
 
 @pytest.fixture(params=["lm", "redis"])

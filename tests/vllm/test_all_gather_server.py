@@ -10,9 +10,6 @@ stay within the same bound.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,7 @@ import torch
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
 from tests.segments.conftest import _free_port, _stop
 from tests.vllm.family import kv_transfer_config
-from tests.vllm.test_metrics import _metric
+from tests.vllm.test_metrics import _metric, start_openai_server
 
 pytestmark = pytest.mark.vllm
 
@@ -38,13 +35,6 @@ def test_all_gather_rounds_reuse_and_stay_bounded(redis_server: str, tmp_path: P
 
     model, port = str(build_checkpoint(TINY_LLAMA)), _free_port()
     config = kv_transfer_config(store=redis_server, recompute_ratio=0.15, round_lifetime=LIFETIME)
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-        "--enforce-eager", "--kv-transfer-config", json.dumps(config),
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # see test_metrics
     host, redis_port = redis_server.removeprefix("redis://").split(":")
     client = redis.Redis(host=host, port=int(redis_port))
     before = set(client.keys("kmesh-meta@*metadata"))  # other tests share this server
@@ -62,8 +52,7 @@ def test_all_gather_rounds_reuse_and_stay_bounded(redis_server: str, tmp_path: P
     question = toks(10)
     outputs = [toks(TOKENS) for _ in range(AGENTS)]  # round 0: the agents' briefs
     reused, stored, shared_lens, gauges = [], [], [], []
-    with open(tmp_path / "server.log", "wb") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = start_openai_server(model, port, config, tmp_path / "server.log")
     try:
         _wait_healthy(port, server)
         for rnd in range(1, ROUNDS + 1):

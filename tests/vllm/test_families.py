@@ -8,38 +8,14 @@ a retired document says so, is served on the stock path and stores the document 
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
-from kmesh_blend.testing.engine import make_llm
-from tests.vllm.family import DOC_LEN, kv_transfer_config, prompts
+from tests.vllm.family import DOC_LEN, prompts
+from tests.vllm.test_store_registry import Out, _engine, _generate
 
 pytestmark = pytest.mark.vllm
-
-Out = tuple[list[int], dict[str, Any]]
-
-
-def _generate(llm: Any, ids: list[int], kmesh: dict[str, Any] | None) -> Out:
-    from vllm import SamplingParams
-
-    extra = {"kv_transfer_params": {"kmesh": kmesh}} if kmesh is not None else None
-    sp = SamplingParams(temperature=0.0, max_tokens=6, extra_args=extra)
-    (o,) = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
-    return list(o.outputs[0].token_ids), (o.kv_transfer_params or {}).get("kmesh", {})
-
-
-def _engine(fn: Callable[[Any], Any], **kmesh: Any) -> Any:
-    extra = {"kv_transfer_config": kv_transfer_config(**kmesh)} if kmesh else {}
-    llm = make_llm(build_checkpoint(TINY_LLAMA), enable_prefix_caching=False, **extra)
-    try:
-        return fn(llm)
-    finally:
-        del llm
-        gc.collect()
 
 
 def test_rounds_retire_masters_and_families_hold_them_until_closed(redis_server: str) -> None:

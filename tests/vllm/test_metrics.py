@@ -39,9 +39,11 @@ def _metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def test_reuse_counters_and_registry_sizes_on_vllm_metrics(tmp_path: Path) -> None:
-    model, port = str(build_checkpoint(TINY_LLAMA)), _free_port()
-    config = kv_transfer_config(store="cpu", recompute_ratio=0.15)
+def start_openai_server(
+    model: str, port: int, config: dict[str, Any], log_path: Path
+) -> subprocess.Popen[bytes]:
+    """vLLM's OpenAI-compatible server on tiny settings with ``--kv-transfer-config config``,
+    its output in ``log_path``; the caller waits for it (`_wait_healthy`) and stops it."""
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
@@ -51,8 +53,14 @@ def test_reuse_counters_and_registry_sizes_on_vllm_metrics(tmp_path: Path) -> No
     # An in-process engine of an earlier test may have set vLLM's Prometheus multiprocess
     # directory in this process: a server inheriting it would add up earlier servers' counters.
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    with open(tmp_path / "server.log", "wb") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def test_reuse_counters_and_registry_sizes_on_vllm_metrics(tmp_path: Path) -> None:
+    model, port = str(build_checkpoint(TINY_LLAMA)), _free_port()
+    config = kv_transfer_config(store="cpu", recompute_ratio=0.15)
+    server = start_openai_server(model, port, config, tmp_path / "server.log")
     try:
         _wait_healthy(port, server)
         reports: list[dict[str, Any]] = []
