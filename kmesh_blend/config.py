@@ -22,6 +22,7 @@ KNOWN_KEYS: tuple[str, ...] = (
     "kmesh.store",
     "kmesh.recompute_ratio",
     "kmesh.check_layers",
+    "kmesh.sink_tokens",
     "kmesh.selection",
     "kmesh.schedule",
     "kmesh.deviation",
@@ -90,6 +91,11 @@ class KMeshConfig:
     """Share of reused tokens that are recomputed, in [0, 1] (1.0 = recompute all)."""
     check_layers: tuple[int, ...] = (1,)
     """Layers where KV deviation is measured: non-empty, non-negative, strictly increasing."""
+    sink_tokens: int = 0
+    """Tokens at the start of every reused segment recomputed in every layer, like private tokens
+    (≥ 0). The rule: 0 = deviation ranking only (``recompute_ratio`` at ``check_layers``); > 0
+    with ratio 0 = the start-of-segment rule alone (no check layer runs); both = the sinks, then
+    ``recompute_ratio`` of the segment's other tokens by deviation. Ratio 1.0 recomputes all."""
     selection: Selection = "per_request"
     """How recompute tokens are picked: per request (bit-identical across schedules), or one
     selection per shared segment for the whole group of siblings (cheaper)."""
@@ -124,6 +130,7 @@ class KMeshConfig:
         object.__setattr__(self, "selection", _check_choice("kmesh.selection", self.selection))
         object.__setattr__(self, "schedule", _check_choice("kmesh.schedule", self.schedule))
         object.__setattr__(self, "deviation", _check_choice("kmesh.deviation", self.deviation))
+        _check_int("kmesh.sink_tokens", self.sink_tokens, minimum=0)
         _check_int("kmesh.round_lifetime", self.round_lifetime, minimum=1)
         _check_int("kmesh.retention_bytes", self.retention_bytes, minimum=0)
         _check_int("kmesh.store_cpu_bytes", self.store_cpu_bytes, minimum=1)
@@ -182,6 +189,7 @@ class KMeshConfig:
             "kmesh.store": self.store,
             "kmesh.recompute_ratio": self.recompute_ratio,
             "kmesh.check_layers": list(self.check_layers),
+            "kmesh.sink_tokens": self.sink_tokens,
             "kmesh.selection": self.selection,
             "kmesh.schedule": self.schedule,
             "kmesh.deviation": self.deviation,

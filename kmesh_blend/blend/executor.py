@@ -4,13 +4,15 @@
 for every sibling before layer l+1. Per layer it:
 1. projects q/k/v for the tokens it currently computes and rotates them to their new positions;
 2. at a check layer, scores those reused tokens by the deviation of fresh from stored KV and
-   keeps the top share (private/gap tokens and the last prompt token are always kept);
+   keeps the top share (private/gap tokens, the first ``sink_tokens`` of every segment and the
+   last prompt token are always kept);
 3. builds the layer's KV for all T tokens — fresh rows where computed, re-positioned stored rows
    elsewhere — and lets the computed tokens attend over it causally;
 4. finishes the layer (o-proj + MLP) for the computed tokens only.
 
 Ratio 1.0 computes every token in every layer with the same shapes as `prefill`: bit-identical.
-Ratio 0 computes only private tokens and the last token: plain reuse.
+Ratio 0 computes only private tokens, the segments' sink tokens and the last token: plain reuse
+when ``sink_tokens`` is 0, the start-of-segment rule otherwise (no check layer runs).
 
 Everything a request computes depends only on its own tensors, with shapes that do not depend on
 its siblings, so a group gives the same bits in any schedule (CPU GEMMs are not batch-invariant).
@@ -97,13 +99,15 @@ class RequestBlend:
         num_tokens = request.token_ids.numel()
         self.positions = torch.arange(num_tokens, dtype=torch.int64)
         self.reused = request.reused_mask
-        self.always = ~self.reused  # private and gap tokens
-        self.always[-1] = True  # the last prompt token's logits are the output
         own = self.reused.clone() if borrowed is None else self.reused & ~borrowed
+        sinks = self._sinks(own, options.sink_tokens)
+        self.always = ~self.reused | sinks  # private and gap tokens, and segments' first tokens
+        self.always[-1] = True  # the last prompt token's logits are the output
         self.num_reused = int(self.reused.sum()) - request.exact_prefix  # segments' tokens only
         ratio = options.recompute_ratio
-        if ratio >= 1.0 or (ratio > 0.0 and bool(own.any())):
-            self.checks = self._check_plan(own, per_segment) if ratio < 1.0 else {}
+        ranked = own & ~self.always  # what the deviation ranking chooses from
+        if ratio >= 1.0 or (ratio > 0.0 and bool(ranked.any())):
+            self.checks = self._check_plan(ranked, per_segment) if ratio < 1.0 else {}
             computed = self.always | own
         else:  # ratio 0, or nothing of our own to select from: plain reuse
             self.checks = {}
@@ -204,6 +208,17 @@ class RequestBlend:
             layer: [(g, keep_count(r, int(g.sum()))) for g in groups if bool(g.any())]
             for layer, r in zip(self.options.check_layers, ratios, strict=True)
         }
+
+    def _sinks(self, own: torch.Tensor, count: int) -> torch.Tensor:
+        """[T] bool: the first ``count`` tokens of every segment use that this request computes
+        itself (``own``); a use cut by an exact prefix starts where the cut left it."""
+        sinks = torch.zeros_like(own)
+        if count <= 0:
+            return sinks
+        for use in self.request.uses:
+            rows = own[use.start : use.end].nonzero().squeeze(1)[:count] + use.start
+            sinks[rows] = True
+        return sinks
 
     def _span_mask(self, start: int, end: int) -> torch.Tensor:
         mask = torch.zeros_like(self.reused)

@@ -80,10 +80,16 @@ class BlendOptions:
     ``check_layers`` with one layer is the released CacheBlend code's scheme (select once);
     with several it is the paper's gradual filtering: the kept share shrinks at each check layer
     down to ``recompute_ratio`` at the last one (see `check_ratios`).
+
+    ``sink_tokens``: the first tokens of every reused segment are recomputed in every layer like
+    private tokens (the start-of-segment rule: the tokens whose attention the missing prefix
+    distorts most); ``recompute_ratio`` then applies to the segment's other tokens. With ratio 0
+    no check layer runs.
     """
 
     recompute_ratio: float = 0.15
     check_layers: tuple[int, ...] = (1,)
+    sink_tokens: int = 0
     deviation: Deviation = "k"
     selection: Selection = "per_request"
     schedule: Schedule = "layer_sync"
@@ -94,6 +100,9 @@ class BlendOptions:
             raise ValueError(f"recompute_ratio={self.recompute_ratio} must be in [0, 1]")
         if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
             raise ValueError(f"check_layers={self.check_layers} must be non-empty and increasing")
+        sinks = self.sink_tokens
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"sink_tokens={self.sink_tokens!r} must be an int ≥ 0")
         if self.deviation not in ("k", "v", "kv"):
             raise ValueError(f"deviation={self.deviation!r}; valid: 'k', 'v', 'kv'")
 
@@ -102,6 +111,7 @@ class BlendOptions:
         fields: dict[str, object] = {
             "recompute_ratio": config.recompute_ratio,
             "check_layers": tuple(config.check_layers),
+            "sink_tokens": config.sink_tokens,
             "selection": config.selection,
             "schedule": config.schedule,
             "deviation": config.deviation,

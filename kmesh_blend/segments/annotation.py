@@ -3,7 +3,8 @@
 A request names its shared segments as half-open token spans of its prompt (CONTRACT.md)::
 
     {"kmesh": {"segments": [[start, end], ...], "family": "doc-42", "round": 0,
-               "prepare": false, "keep": false, "close": false}}
+               "prepare": false, "keep": false, "close": false,
+               "recompute_ratio": 0.3, "sink_tokens": 16}}
 
 or, for clients that cannot send parameters, a configured separator token sequence splits the
 prompt (`split_on_separator`). `parse_request` is what the engine side calls: it never raises;
@@ -36,7 +37,9 @@ __all__ = [
 Span = tuple[int, int]
 """A half-open token span ``(start, end)`` of the prompt, ``0 <= start < end <= num_tokens``."""
 
-KNOWN_FIELDS: tuple[str, ...] = ("segments", "family", "round", "prepare", "keep", "close")
+KNOWN_FIELDS: tuple[str, ...] = (
+    "segments", "family", "round", "prepare", "keep", "close", "recompute_ratio", "sink_tokens",
+)  # fmt: skip
 MAX_FAMILY_LEN = 256
 _SPANS_VALID = (
     "a non-empty list of [start, end] int pairs, 0 <= start < end <= prompt length, "
@@ -69,6 +72,10 @@ class Annotation:
     source: Literal["params", "separator"] = "params"
     close: bool = False
     """The family is done once this request is served: its pins and retention are released."""
+    recompute_ratio: float | None = None
+    """This request's own ``kmesh.recompute_ratio`` (None: the engine's)."""
+    sink_tokens: int | None = None
+    """This request's own ``kmesh.sink_tokens`` (None: the engine's)."""
 
     def _replace_source(self, source: Literal["params", "separator"]) -> Annotation:
         return dataclasses.replace(self, source=source)
@@ -178,7 +185,20 @@ def parse_annotation(kmesh: object, num_tokens: int, max_model_len: int) -> Anno
         raise AnnotationError(f"close={close!r}; valid: true or false", field="close")
     if close and family is None:
         raise AnnotationError("close=true needs the 'family' to close", field="close")
-    return Annotation(spans, family, round_, prepare, keep, close=close)
+    ratio = kmesh.get("recompute_ratio")
+    if ratio is not None and (
+        isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0
+    ):
+        raise AnnotationError(
+            f"recompute_ratio={ratio!r}; valid: a number in [0, 1]", field="recompute_ratio"
+        )
+    sinks = kmesh.get("sink_tokens")
+    if sinks is not None and (not _is_int(sinks) or sinks < 0):
+        raise AnnotationError(f"sink_tokens={sinks!r}; valid: an int >= 0", field="sink_tokens")
+    return Annotation(
+        spans, family, round_, prepare, keep, close=close,
+        recompute_ratio=None if ratio is None else float(ratio), sink_tokens=sinks,
+    )  # fmt: skip
 
 
 def validate_spans(spans: object, num_tokens: int, max_model_len: int) -> tuple[Span, ...]:

@@ -79,6 +79,8 @@ class LoadRequest:
     turn_len: int = 0
     keep: str | None = None  # after the forward, store this request's prompt as this turn record
     family: str | None = None  # the masters it reads are held for this family until it closes
+    recompute_ratio: float | None = None  # the request's own setting (None: the engine's)
+    sink_tokens: int | None = None  # the request's own setting (None: the engine's)
 
 
 @dataclass

@@ -58,6 +58,7 @@ class _Plan:
     family: str | None = None  # the annotation's lifetime fields (docs/contract.md)
     round: int | None = None
     close: bool = False
+    options: tuple[float | None, int | None] = (None, None)  # the request's ratio, sink tokens
     report: Report = field(default_factory=new_report)
 
 
@@ -160,7 +161,8 @@ class SchedulerSide:
         refs = [SegmentRef(s, e, i) for (s, e), i in zip(spans, ids, strict=True)]
         annotation = parsed.annotation
         plan = _Plan(tokens, refs, first=num_computed_tokens, family=annotation.family,
-                     round=annotation.round, close=annotation.close)  # fmt: skip
+                     round=annotation.round, close=annotation.close,
+                     options=(annotation.recompute_ratio, annotation.sink_tokens))  # fmt: skip
         if annotation.round is not None and (self._round is None or annotation.round > self._round):
             self._round = annotation.round
         if self.privatizer is not None:
@@ -256,6 +258,8 @@ class SchedulerSide:
                         turn_len=turn_len,
                         keep=plan.keep,
                         family=plan.family,
+                        recompute_ratio=plan.options[0],
+                        sink_tokens=plan.options[1],
                     )
                 )
             self._maybe_save(

@@ -11,6 +11,7 @@ failed loads, so vLLM recomputes it from scratch; its siblings are unaffected.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -20,7 +21,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kmesh_blend.blend import BlendOptions, BlendRequest, MasterSource, SegmentUse, blend_group
+from kmesh_blend.blend import (
+    BlendOptions,
+    BlendRequest,
+    BlendResult,
+    MasterSource,
+    SegmentUse,
+    blend_group,
+)
 from kmesh_blend.config import KMeshConfig
 from kmesh_blend.mirror.lifecycle import MirrorStore
 from kmesh_blend.segments.cache import SegmentCache
@@ -149,9 +157,7 @@ class WorkerSide:
             for load, _ in ready
         ]
         try:
-            results = blend_group(
-                self.model, [b for _, b in ready], MasterSource(masters), self.options, hooks
-            )
+            results = self._blend(ready, MasterSource(masters), hooks)
             for (load, _), result, hook in zip(ready, results, hooks, strict=True):
                 if hook is None:
                     self._write(load, result.keys, result.values)
@@ -201,6 +207,27 @@ class WorkerSide:
                     self.out.unpublished.append(ref.segment_id)
                     why = getattr(self.store, "last_error", "") or "the store refused it"
                     self.out.store_errors[ref.segment_id] = f"{self.store.tier} store: {why}"
+
+    def _blend(
+        self, ready: list[tuple[LoadRequest, BlendRequest]], source: MasterSource, hooks: list[Any]
+    ) -> list[BlendResult]:
+        """One group blend per distinct setting (requests may carry their own ratio and sink
+        tokens); results in ``ready``'s order."""
+        groups: dict[BlendOptions, list[int]] = {}
+        for i, (load, _) in enumerate(ready):
+            options = self.options
+            if load.recompute_ratio is not None:
+                options = dataclasses.replace(options, recompute_ratio=load.recompute_ratio)
+            if load.sink_tokens is not None:
+                options = dataclasses.replace(options, sink_tokens=load.sink_tokens)
+            groups.setdefault(options, []).append(i)
+        results: list[BlendResult | None] = [None] * len(ready)
+        for options, members in groups.items():
+            outs = blend_group(self.model, [ready[i][1] for i in members], source, options,
+                               [hooks[i] for i in members])  # fmt: skip
+            for i, out in zip(members, outs, strict=True):
+                results[i] = out
+        return [r for r in results if r is not None]
 
     def _lifetimes(self, meta: KMeshMetadata) -> None:
         """Move the round-aware index to the announced round and close finished families; what

@@ -1,8 +1,10 @@
 """Bit-exactness of the blend on the reference executor (fp32 and bf16, three architectures).
 
-- recompute ratio 1.0 equals a full prefill bit for bit (KV of every layer and the logits);
+- recompute ratio 1.0 equals a full prefill bit for bit (KV of every layer and the logits), with
+  or without the start-of-segment rule (``sink_tokens``);
 - per_request: layer_sync equals sequential bit for bit for groups of 1, 4 and 8, with segments
-  leading, in the middle, reordered and repeated;
+  leading, in the middle, reordered and repeated, under the deviation rule, the start-of-segment
+  rule and both;
 - collective selection is deterministic (the same bits twice).
 """
 
@@ -33,31 +35,40 @@ def _same(a: BlendResult, b: BlendResult) -> bool:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("spec", MODELS, ids=lambda s: s.name)
-def test_ratio_one_is_full_prefill(spec: object, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_ratio_one_is_full_prefill(spec: object, dtype: torch.dtype, sinks: int) -> None:
     model = _model(spec, dtype)
     requests, source = family(model, "reordered", 2)
-    for req, res in zip(
-        requests,
-        blend_group(model, requests, source, BlendOptions(recompute_ratio=1.0)),
-        strict=True,
-    ):
+    options = BlendOptions(recompute_ratio=1.0, sink_tokens=sinks)
+    for req, res in zip(requests, blend_group(model, requests, source, options), strict=True):
         full = prefill(model, req.token_ids, last_only=True)
         assert torch.equal(res.logits, full.logits)
         assert all(torch.equal(x, y) for x, y in zip(res.keys, full.keys, strict=True))
         assert all(torch.equal(x, y) for x, y in zip(res.values, full.values, strict=True))
 
 
+# (recompute_ratio, sink_tokens): the deviation rule, the start-of-segment rule, both.
+RULES = [(0.15, 0), (0.0, 6), (0.15, 6)]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: f"ratio{r[0]}-sinks{r[1]}")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("spec", MODELS, ids=lambda s: s.name)
 def test_layer_sync_equals_sequential(
-    spec: object, dtype: torch.dtype, group: int, layout: str
+    spec: object, dtype: torch.dtype, group: int, layout: str, rule: tuple[float, int]
 ) -> None:
     model = _model(spec, dtype)
     requests, source = family(model, layout, group)
-    seq = blend_group(model, requests, source, BlendOptions(schedule="sequential"))
-    sync = blend_group(model, requests, source, BlendOptions(schedule="layer_sync"))
+    ratio, sinks = rule
+    seq, sync = (
+        blend_group(
+            model, requests, source,
+            BlendOptions(recompute_ratio=ratio, sink_tokens=sinks, schedule=schedule),
+        )
+        for schedule in ("sequential", "layer_sync")
+    )  # fmt: skip
     assert all(_same(a, b) for a, b in zip(seq, sync, strict=True))
     # Guard: the comparison can fail — a sibling's result differs. (A leading segment's stored KV
     # is exact, so there even plain reuse may equal the blend bit for bit.)

@@ -6,6 +6,7 @@ import torch
 from kmesh_blend.blend import (
     BlendOptions,
     BlendRequest,
+    RequestBlend,
     SegmentUse,
     blend_group,
     blend_one,
@@ -139,3 +140,55 @@ def test_an_exact_prefix_is_read_never_recomputed(llama: ReferenceModel, selecti
     assert not bool(partial.recomputed[:p].any()) and partial.num_recomputed == 15
     with pytest.raises(ValueError, match="exact_prefix"):
         BlendRequest(req.token_ids, req.uses, exact_prefix=p)
+
+
+def test_start_of_segment_rule_recomputes_each_segments_first_tokens(
+    llama: ReferenceModel,
+) -> None:
+    requests, source = family(llama, "reordered", 2, seg_len=40)  # A: 40 tokens, B: 23
+    req = requests[1]  # B then A
+    opts = BlendOptions(recompute_ratio=0.0, sink_tokens=5)
+    state = RequestBlend(llama, req, opts)
+    assert state.checks == {}  # no check layer runs for this rule
+    result = blend_one(llama, req, source, opts)
+    want = torch.zeros_like(result.recomputed)
+    for use in req.uses:
+        want[use.start : use.start + 5] = True
+    assert torch.equal(result.recomputed, want)
+    assert result.num_recomputed == 10
+    # It acts: the sinks' KV is fresh, and the logits move toward the full prefill's.
+    full = prefill(llama, req.token_ids, last_only=True)
+    plain = blend_one(llama, req, source, BlendOptions(recompute_ratio=0.0))
+    first = req.uses[0].start
+    assert not torch.equal(result.keys[2][first], plain.keys[2][first])
+    assert float((result.logits - full.logits).abs().max()) != float(
+        (plain.logits - full.logits).abs().max()
+    )
+    # More sinks than a segment has tokens: the whole segment, no more.
+    whole = blend_one(llama, req, source, BlendOptions(recompute_ratio=0.0, sink_tokens=1000))
+    assert torch.equal(whole.recomputed, req.reused_mask)
+
+
+def test_sinks_and_deviation_combine(llama: ReferenceModel) -> None:
+    requests, source = family(llama, "middle", 1, seg_len=100)
+    req = requests[0]
+    start = req.uses[0].start
+    result = blend_one(llama, req, source, BlendOptions(recompute_ratio=0.2, sink_tokens=5))
+    assert bool(result.recomputed[start : start + 5].all())
+    assert result.num_recomputed == 5 + keep_count(0.2, 95)
+    dev = blend_one(llama, req, source, BlendOptions(recompute_ratio=0.2))
+    assert not torch.equal(dev.recomputed, result.recomputed)
+
+
+def test_collective_siblings_borrow_the_leaders_sinks(llama: ReferenceModel) -> None:
+    requests, source = family(llama, "middle", 3, seg_len=60)
+    opts = BlendOptions(recompute_ratio=0.0, sink_tokens=4, selection="collective")
+    results = blend_group(llama, requests, source, opts)
+    assert [r.num_recomputed for r in results] == [4, 0, 0]
+
+
+def test_bad_sink_tokens_is_refused() -> None:
+    with pytest.raises(ValueError, match="sink_tokens"):
+        BlendOptions(sink_tokens=-1)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        BlendOptions(sink_tokens=True)  # type: ignore[arg-type]

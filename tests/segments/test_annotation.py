@@ -52,6 +52,11 @@ def test_unannotated_request_is_not_a_fallback() -> None:
         ({"segments": [[0, 3]], "prepare": True}, "needs a 'family'"),
         ({"segments": [[0, 3]], "close": 1}, "close="),
         ({"segments": [[0, 3]], "close": True}, "needs the 'family'"),
+        ({"segments": [[0, 3]], "recompute_ratio": 1.5}, "recompute_ratio=1.5"),
+        ({"segments": [[0, 3]], "recompute_ratio": "0.2"}, "recompute_ratio="),
+        ({"segments": [[0, 3]], "recompute_ratio": True}, "recompute_ratio="),
+        ({"segments": [[0, 3]], "sink_tokens": -1}, "sink_tokens=-1"),
+        ({"segments": [[0, 3]], "sink_tokens": 2.0}, "sink_tokens="),
         ([[0, 3]], "not a dict"),
     ],
 )
@@ -178,3 +183,11 @@ def test_fuzz_separator_spans_are_valid_and_separator_free(ids: list[int], sep: 
         piece = ids[start:end]
         assert ids[end : end + len(sep)] == sep  # every segment is followed by the separator
         assert piece
+
+
+def test_a_request_may_carry_its_own_blend_setting() -> None:
+    a = parse_annotation({"segments": [[0, 3]], "recompute_ratio": 1, "sink_tokens": 8}, 10, 64)
+    assert (a.recompute_ratio, a.sink_tokens) == (1.0, 8)
+    assert isinstance(a.recompute_ratio, float)
+    b = parse_annotation({"segments": [[0, 3]]}, 10, 64)
+    assert (b.recompute_ratio, b.sink_tokens) == (None, None)

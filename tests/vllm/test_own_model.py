@@ -87,6 +87,43 @@ def test_ratio_one_equals_stock_vllm(model: str, dtype: str) -> None:
     assert all(r is not None and r["recomputed_tokens"] == DOC_LEN for *_, r in kmesh[1:])
 
 
+def test_a_request_carries_its_own_ratio_and_sink_tokens() -> None:
+    """An engine at ratio 0.15: a follow-up asking for ratio 1.0 gets stock vLLM's bits, one
+    asking for the start-of-segment rule recomputes just its sinks, in one batch (one blend group
+    per setting); a follow-up without a setting of its own keeps the engine's."""
+    from vllm import SamplingParams
+
+    path = build_checkpoint(TINY_LLAMA)
+    family = prompts()
+    stock = _with_engine(path, "float32", lambda llm: _run(llm, [(ids, None) for ids, _ in family]))
+    own = [{"recompute_ratio": 1.0}, {"recompute_ratio": 0.0, "sink_tokens": 4}, {}, {}]
+
+    def params(spans: list[list[int]], setting: dict[str, Any]) -> Any:
+        annotation = {"kmesh": {"segments": spans, **setting}}
+        return SamplingParams(temperature=0.0, max_tokens=8, logprobs=0,
+                              extra_args={"kv_transfer_params": annotation})  # fmt: skip
+
+    def run(llm: Any) -> list[Result]:
+        _run(llm, family[:1])
+        batch = llm.generate(
+            [{"prompt_token_ids": ids} for ids, _ in family[1:]],
+            [params(spans, setting) for (_, spans), setting in zip(family[1:], own, strict=True)],
+            use_tqdm=False,
+        )
+        (alone,) = llm.generate([{"prompt_token_ids": family[4][0]}],
+                                params(family[4][1], own[0]), use_tqdm=False)  # fmt: skip
+        return [_result(o) for o in [*batch, alone]]
+
+    kmesh = _with_engine(path, "float32", run, store="cpu", recompute_ratio=0.15)
+    reports = [r for *_, r in kmesh]
+    assert all(r is not None and r["reused_tokens"] == DOC_LEN for r in reports), reports
+    assert [r["recomputed_tokens"] for r in reports if r] == [DOC_LEN, 4, 62, 62, DOC_LEN]
+    exact, _, default, _, alone = kmesh
+    assert exact[0] == stock[1][0]  # in a batch: the same tokens (decode batching differs)
+    assert alone[:2] == stock[4][:2]  # alone, as stock ran: every log-probability bit too
+    assert default[1] != stock[3][1]  # the engine's own ratio still blends
+
+
 def test_real_model_schedules_agree_and_blend_reuses() -> None:
     """SmolLM2 in bf16 at ratio 0.15: follow-ups in one batch (one layer-synchronous group) give
     the same bits as the sequential schedule, and they really reuse the document."""
