@@ -17,7 +17,11 @@ of the true continuation.
 value = top-1 agreement at ratio 0.15, per_request (goal ≥ 0.99). Asserted: per_request at ratio
 1.0 is bit-identical to full prefill (agreement 1, KL 0, every score row equal).
 
-Run: python bench/quality.py [--quick] [--check-layers 1]
+``--model smollm2``: the same question on the real SmolLM2-135M-Instruct through a vLLM engine,
+with multi-document chat prompts, the selection rules side by side and follow-up TTFT
+(`bench/_quality_smollm2.py`; result ``quality_smollm2``, the README's headline quality).
+
+Run: python bench/quality.py [--quick] [--check-layers 1] [--model toy|smollm2]
 """
 
 from __future__ import annotations
@@ -36,18 +40,26 @@ from kmesh_blend.models import ReferenceModel
 from kmesh_blend.quality import QualityReport, evaluate, format_table, standard_tasks
 from kmesh_blend.testing.quality import quality_model_dir
 
+SMOLLM2_CHECKS = (1, 2, 3)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--tasks", type=int, default=None, help="segments (default 2 / 24)")
+    parser.add_argument("--model", choices=["toy", "smollm2"], default="toy")
+    parser.add_argument("--tasks", type=int, default=None, help="tasks (default per model)")
     parser.add_argument(
         "--check-layers",
-        default="1,2,3",
-        help="check layers: 1,2,3 = the paper's gradual filtering (default), 1 = the released code",
+        default=None,
+        help="check layers (default 1,2,3 = the paper's gradual filtering on the toy model; "
+        f"{','.join(map(str, SMOLLM2_CHECKS))} on smollm2); 1 = the released code",
     )
     args = parser.parse_args()
-    check_layers = tuple(int(x) for x in args.check_layers.split(","))
+    if args.model == "smollm2":
+        checks = SMOLLM2_CHECKS if args.check_layers is None else _layers(args.check_layers)
+        real_model(args.quick, args.tasks or (2 if args.quick else 8), checks)
+        return
+    check_layers = _layers(args.check_layers or "1,2,3")
     num_tasks = args.tasks or (2 if args.quick else 24)
     torch.set_num_threads(2)
 
@@ -99,6 +111,19 @@ def main() -> None:
             },
         }
     )
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def real_model(quick: bool, num_tasks: int, check_layers: tuple[int, ...]) -> None:
+    """`--model smollm2` (see `_quality_smollm2`)."""
+    import _quality_smollm2 as real
+
+    result = real.run(quick, num_tasks, check_layers)
+    real.plot(result, RESULTS / "quality_smollm2.png")
+    emit(result)
 
 
 def plot(report: QualityReport, path: Path) -> None:

@@ -22,8 +22,10 @@ RESULTS = BENCH / "results"
 README = BENCH.parent / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 Q_BEGIN, Q_END = "<!-- quality:begin -->", "<!-- quality:end -->"
+R_BEGIN, R_END = "<!-- quality_smollm2:begin -->", "<!-- quality_smollm2:end -->"
 # name -> (script, arguments): a script run again under another workload
 VARIANTS = {
+    "quality_smollm2": ("quality.py", ["--model", "smollm2"]),
     "follow_up_ttft_smollm2": ("follow_up_ttft.py", ["--model", "smollm2"]),
     "follow_up_ttft_smollm2_mixed": (
         "follow_up_ttft.py",
@@ -92,7 +94,35 @@ def write_readme_table() -> None:
     quality = RESULTS / "quality.json"
     if quality.exists():
         text = _between(text, Q_BEGIN, Q_END, _quality_rows(json.loads(quality.read_text())))
+    real = RESULTS / "quality_smollm2.json"
+    if real.exists():
+        text = _between(text, R_BEGIN, R_END, _real_quality_rows(json.loads(real.read_text())))
     README.write_text(text)
+
+
+def _real_quality_rows(result: dict) -> list[str]:
+    """README's real-model table: every rule × ratio × selection of ``quality_smollm2``."""
+    cfg = result["config"]
+    served = cfg.get("served_identical_answers", {})
+    rows = [
+        f"{cfg['follow_ups']} follow-ups, {cfg['positions']} answer positions, check layers "
+        f"{cfg['check_layers']}, {'quick' if result['quick'] else 'full'} run; ± = standard error "
+        "across follow-ups; TTFT and served answers: per_request, through vLLM.",
+        "",
+        "| rule | selection | ratio | sinks | recomputed | top-1 agreement | KL(full ‖ blend) "
+        "| identical answers | served identical | TTFT / stock |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in cfg["table"]:
+        ttft = "—" if r["ttft_vs_stock"] is None else f"{r['ttft_vs_stock']:.3f}"
+        same = served.get(r["nominal"]) if r["selection"] == "per_request" else None
+        rows.append(
+            f"| {r['rule']} | {r['selection']} | {r['ratio']:.3g} | {r['sink_tokens']} "
+            f"| {r['recomputed']:.3f} | {r['agreement']:.3f} ± {r['agreement_se']:.3f} "
+            f"| {r['kl']:.2e} | {r['identical_answers']:.3f} "
+            f"| {'—' if same is None else f'{same:.3f}'} | {ttft} |"
+        )
+    return rows
 
 
 def _quality_rows(result: dict) -> list[str]:

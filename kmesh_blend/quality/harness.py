@@ -51,14 +51,36 @@ MasterHook = Callable[[SegmentKV], SegmentKV]
 
 @dataclass(frozen=True)
 class Setting:
-    """One blend configuration: ``recompute_ratio`` and ``selection`` mode."""
+    """One blend configuration: ``recompute_ratio``, ``selection`` mode and ``sink_tokens``."""
 
     ratio: float
     selection: Selection = "per_request"
+    sink_tokens: int = 0
+
+    @property
+    def rule(self) -> str:
+        """Which selection rule acts: ``deviation``, ``sink``, ``sink+deviation``, or ``none``
+        (plain reuse) / ``all`` (ratio 1.0)."""
+        if self.ratio >= 1.0:
+            return "all"
+        if self.sink_tokens:
+            return "sink+deviation" if self.ratio > 0 else "sink"
+        return "deviation" if self.ratio > 0 else "none"
 
     @property
     def label(self) -> str:
-        return f"{self.selection} {self.ratio:g}"
+        sinks = f" sinks {self.sink_tokens}" if self.sink_tokens else ""
+        return f"{self.selection} {self.ratio:g}{sinks}"
+
+    def options(self, check_layers: tuple[int, ...]) -> BlendOptions:
+        """The blend options of this setting (``layer_sync`` groups)."""
+        return BlendOptions(
+            recompute_ratio=self.ratio,
+            check_layers=check_layers,
+            selection=self.selection,
+            schedule="layer_sync",
+            sink_tokens=self.sink_tokens,
+        )
 
 
 class SettingResult(NamedTuple):
@@ -129,12 +151,7 @@ def evaluate(
 
     results = []
     for setting in settings:
-        options = BlendOptions(
-            recompute_ratio=setting.ratio,
-            check_layers=check_layers,
-            selection=setting.selection,
-            schedule="layer_sync",
-        )
+        options = setting.options(check_layers)
         parts: list[Comparison] = []
         num_reused = num_recomputed = 0
         for task, rows, master in zip(tasks, full_rows, masters, strict=True):

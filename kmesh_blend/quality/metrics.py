@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kmesh_blend.models.layerwise import LayerwiseModel, causal_mask
 
-__all__ = ["Comparison", "compare", "continuation_logits", "extend"]
+__all__ = ["Comparison", "compare", "continuation_logits", "extend", "greedy"]
 
 
 class Comparison(NamedTuple):
@@ -43,12 +43,14 @@ def extend(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     token_ids: torch.Tensor,
+    grow: bool = False,
 ) -> torch.Tensor:
     """Scores of ``token_ids`` [K] int64 placed after a cached prompt → logits [K, V] fp32.
 
     ``keys`` / ``values``: per layer [T, Hkv, D], the prompt's KV cache. The K tokens sit at
     positions T..T+K-1 and attend causally over the cache and each other; row k of the result
-    predicts the token after ``token_ids[k]``.
+    predicts the token after ``token_ids[k]``. ``grow``: append the K tokens' KV to the lists'
+    entries (the cache then holds T + K rows per layer), as a decoder does.
     """
     num_cached = keys[0].shape[0]
     positions = torch.arange(num_cached, num_cached + token_ids.numel())
@@ -59,6 +61,8 @@ def extend(
         q, k = model.rotate_qk(layer, q, k, positions)
         layer_k = torch.cat([keys[layer], k])
         layer_v = torch.cat([values[layer], v])
+        if grow:
+            keys[layer], values[layer] = layer_k, layer_v
         hidden = model.finish_layer(layer, hidden, model.attend(q, layer_k, layer_v, mask))
     return model.logits(hidden)
 
@@ -89,3 +93,26 @@ def compare(full: torch.Tensor, blended: torch.Tensor, targets: torch.Tensor) ->
     agree = full.argmax(-1) == blended.argmax(-1)
     identical = (full == blended).all(-1)
     return Comparison(agree, kl, nll, identical)
+
+
+@torch.no_grad()
+def greedy(
+    model: LayerwiseModel,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    last_logits: torch.Tensor,
+    num_tokens: int,
+    stop_ids: tuple[int, ...] = (),
+) -> torch.Tensor:
+    """The greedy answer after a cached prompt → [n] int64, n ≤ ``num_tokens``, decoded one token
+    at a time; it ends early with a token of ``stop_ids`` (included), as a server stops at the
+    end of the turn.
+
+    ``last_logits``: [1, V], the prompt's last-token scores; ``keys`` / ``values`` as in `extend`
+    (the lists are not changed)."""
+    keys, values = list(keys), list(values)
+    out = [int(last_logits[-1].argmax())]
+    while len(out) < num_tokens and out[-1] not in stop_ids:
+        logits = extend(model, keys, values, torch.tensor(out[-1:]), grow=True)
+        out.append(int(logits[-1].argmax()))
+    return torch.tensor(out, dtype=torch.int64)

@@ -1,0 +1,196 @@
+"""Score multi-document chat tasks (`kmesh_blend.quality.chat`) against full prefill.
+
+Per task: each document's master is its reader prompt's KV for the document's rows (what the
+first reader stores in serving: keys rotated at the reader's positions). Per follow-up: the full
+prefill of its prompt and its greedy answer of at most ``answer_tokens`` tokens (it ends after
+an end-of-turn token, as a served answer does). Per setting (rule ×
+ratio × selection), the family is blended as one layer-synchronous group, and blended and full
+prefill are scored teacher-forced over the full prefill's answer (`continuation_logits`):
+
+- agreement: share of answer positions with the same top-1 token;
+- KL: mean KL(full ‖ blended) over answer positions, nats;
+- identical answers: share of follow-ups whose top-1 agrees at every answer position — with
+  the same top-1 everywhere, greedy decoding of the blended KV gives the full prefill's answer;
+- answer prefix: mean share of an answer before its first disagreement.
+
+Standard errors are across follow-ups (a follow-up's positions are not independent): the standard
+deviation of per-follow-up means over √(follow-ups).
+
+Runs on any `LayerwiseModel`; `bench/quality.py --model smollm2` runs it on the model a serving
+vLLM engine loaded (the blend's own `VllmModel`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from kmesh_blend.blend import DenseSegmentSource, SegmentKV, blend_group
+from kmesh_blend.models.layerwise import LayerwiseModel, prefill
+from kmesh_blend.quality.chat import ChatTask
+from kmesh_blend.quality.harness import Setting
+from kmesh_blend.quality.metrics import Comparison, compare, continuation_logits, greedy
+
+__all__ = ["ChatReport", "ChatResult", "Reference", "evaluate_chat", "references"]
+
+
+class Reference(NamedTuple):
+    """A follow-up's full prefill: its greedy ``answer`` [N] int64 and the teacher-forced score
+    rows over it, ``rows`` [N, V] fp32."""
+
+    answer: torch.Tensor
+    rows: torch.Tensor
+
+
+class ChatResult(NamedTuple):
+    """One setting's aggregates (see the module docstring); ``*_se``: standard errors.
+    ``recomputed``: recomputed / reused tokens; ``blend_s``: mean blend wall time per family."""
+
+    setting: Setting
+    agreement: float
+    agreement_se: float
+    kl: float
+    kl_se: float
+    identical_answers: float
+    answer_prefix: float
+    recomputed: float
+    blend_s: float
+    agreement_by_kind: dict[str, float]  # per question kind (`kmesh_blend.quality.chat`)
+
+
+class ChatReport(NamedTuple):
+    results: list[ChatResult]
+    num_tasks: int
+    num_requests: int
+    num_positions: int
+    documents: list[int]  # documents per follow-up
+
+    def result(self, setting: Setting) -> ChatResult:
+        for r in self.results:
+            if r.setting == setting:
+                return r
+        raise ValueError(f"setting {setting.label!r} was not evaluated")
+
+
+def masters(model: LayerwiseModel, task: ChatTask) -> DenseSegmentSource:
+    """Each document's stored KV, taken from its reader's full prefill."""
+    source = DenseSegmentSource()
+    for reader in task.readers:
+        ((start, end, name),) = reader.spans
+        full = prefill(model, reader.blend_request().token_ids, last_only=True)
+        keys = torch.stack([k[start:end] for k in full.keys])
+        values = torch.stack([v[start:end] for v in full.values])
+        source.add(name, SegmentKV(keys, values, torch.arange(start, end)))
+    return source
+
+
+@torch.no_grad()
+def references(
+    model: LayerwiseModel, tasks: Sequence[ChatTask], answer_tokens: int = 32,
+    progress: Callable[[str], None] | None = None, stop_ids: tuple[int, ...] = (),
+) -> list[list[Reference]]:  # fmt: skip
+    """Every follow-up's full prefill, greedy answer (at most ``answer_tokens``, ending after a
+    token of ``stop_ids``) and score rows (per task, per follow-up)."""
+    out = []
+    for j, task in enumerate(tasks):
+        refs = []
+        for request in task.requests:
+            full = prefill(model, request.blend_request().token_ids, last_only=True)
+            answer = greedy(model, full.keys, full.values, full.logits, answer_tokens, stop_ids)
+            rows = continuation_logits(model, full.keys, full.values, full.logits, answer)
+            refs.append(Reference(answer, rows))
+        out.append(refs)
+        if progress is not None:
+            progress(f"full prefill and answers: task {j + 1}/{len(tasks)}")
+    return out
+
+
+@torch.no_grad()
+def evaluate_chat(
+    model: LayerwiseModel,
+    tasks: Sequence[ChatTask],
+    settings: Sequence[Setting],
+    check_layers: tuple[int, ...],
+    answer_tokens: int = 32,
+    progress: Callable[[str], None] | None = None,
+    refs: list[list[Reference]] | None = None,
+    stop_ids: tuple[int, ...] = (),
+) -> ChatReport:
+    """Score every setting on every task against full prefill (see the module docstring).
+    ``refs``: the tasks' `references`, when already computed (they do not depend on settings).
+    ``stop_ids``: end-of-turn tokens; an answer ends after one."""
+    if refs is None:
+        refs = references(model, tasks, answer_tokens, progress, stop_ids)
+    sources = [masters(model, task) for task in tasks]
+    results = []
+    for n, setting in enumerate(settings):
+        options = setting.options(check_layers)
+        parts: list[Comparison] = []
+        kinds: list[str] = []
+        reused = recomputed = 0
+        seconds = 0.0
+        for task, source, task_refs in zip(tasks, sources, refs, strict=True):
+            start = time.perf_counter()
+            blended = blend_group(
+                model, [r.blend_request() for r in task.requests], source, options
+            )
+            seconds += time.perf_counter() - start
+            for out, ref, request in zip(blended, task_refs, task.requests, strict=True):
+                rows = continuation_logits(model, out.keys, out.values, out.logits, ref.answer)
+                parts.append(compare(ref.rows, rows, ref.answer))
+                kinds.append(request.kind)
+                reused += out.num_reused
+                recomputed += out.num_recomputed
+        results.append(_aggregate(setting, parts, kinds, recomputed / max(1, reused),
+                                  seconds / len(tasks)))  # fmt: skip
+        if progress is not None:
+            r = results[-1]
+            progress(f"setting {n + 1}/{len(settings)} {setting.label}: agreement "
+                     f"{r.agreement:.4f} ± {r.agreement_se:.4f}, KL {r.kl:.2e}, identical "
+                     f"answers {r.identical_answers:.3f}")  # fmt: skip
+    return ChatReport(
+        results,
+        num_tasks=len(tasks),
+        num_requests=sum(len(t.requests) for t in tasks),
+        num_positions=sum(r.answer.numel() for task_refs in refs for r in task_refs),
+        documents=[len(r.spans) for t in tasks for r in t.requests],
+    )
+
+
+def _aggregate(
+    setting: Setting, parts: list[Comparison], kinds: list[str], recomputed: float,
+    blend_s: float,
+) -> ChatResult:  # fmt: skip
+    agree = torch.stack([p.agree.float().mean() for p in parts])
+    kl = torch.stack([p.kl.mean() for p in parts])
+    prefix = []
+    for p in parts:
+        wrong = (~p.agree).nonzero()
+        prefix.append(1.0 if wrong.numel() == 0 else int(wrong[0]) / p.agree.numel())
+    return ChatResult(
+        setting=setting,
+        agreement=float(agree.mean()),
+        agreement_se=_se(agree),
+        kl=float(kl.mean()),
+        kl_se=_se(kl),
+        identical_answers=sum(1.0 for p in parts if bool(p.agree.all())) / len(parts),
+        answer_prefix=sum(prefix) / len(prefix),
+        recomputed=recomputed,
+        blend_s=blend_s,
+        agreement_by_kind={kind: _share(parts, kinds, kind) for kind in sorted(set(kinds))},
+    )
+
+
+def _share(parts: list[Comparison], kinds: list[str], kind: str) -> float:
+    """Top-1 agreement over the answer positions of the follow-ups asking ``kind``."""
+    agree = [p.agree for p, k in zip(parts, kinds, strict=True) if k == kind]
+    return float(torch.cat(agree).float().mean())
+
+
+def _se(per_request: torch.Tensor) -> float:
+    n = per_request.numel()
+    return float(per_request.std(correction=1)) / math.sqrt(n) if n > 1 else 0.0
