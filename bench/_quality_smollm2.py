@@ -51,8 +51,9 @@ def rule_settings(doc_tokens: int = DOC_TOKENS) -> list[Setting]:
         for ratio in RATIOS[1:-1]:
             count = keep_count(ratio, doc_tokens)
             out.append(Setting(0.0, selection, sink_tokens=count))
-            rest = (count - COMBINED_SINKS) / (doc_tokens - COMBINED_SINKS)
-            out.append(Setting(rest, selection, sink_tokens=COMBINED_SINKS))
+            if count > COMBINED_SINKS:  # else the combination is the sink rule itself
+                rest = (count - COMBINED_SINKS) / (doc_tokens - COMBINED_SINKS)
+                out.append(Setting(rest, selection, sink_tokens=COMBINED_SINKS))
     return out
 
 
@@ -111,6 +112,8 @@ def served(llm: Any, tasks: list[ChatTask], settings: list[Setting], answers: bo
             identity[label] = sum(same) / len(same)
             log(f"served answers {label}: {identity[label]:.3f} identical")
     fallbacks = sorted({r.get("fallback") for rs in reports.values() for r in rs} - {None})
+    if fallbacks:  # a fallen-back request is a full prefill: its TTFT would mislead
+        raise SystemExit(f"served follow-ups fell back: {fallbacks}")
     return {
         "ttft_median_s": {k: round(statistics.median(v), 4) for k, v in times.items()},
         "ttft_vs_stock": {
@@ -235,7 +238,9 @@ def run(quick: bool, num_tasks: int, check_layers: tuple[int, ...]) -> dict[str,
             "document_tokens": DOC_TOKENS,
             "answer_tokens": ANSWER_TOKENS,
             "headline_se": round(headline.agreement_se, 4),
-            "second_rule_best": {"start-of-segment rule": best, "deviation rule": rival},
+            "se": "clustered by task (families share documents and one group blend)",
+            "reference_flips": report.reference_flips,
+            "second_rule_best": {"best_sink_variant": best, "deviation_at_equal_tokens": rival},
             "table": table,
             **serving,
             "seconds": round(seconds, 1),

@@ -107,7 +107,7 @@ def _real_quality_rows(result: dict) -> list[str]:
     rows = [
         f"{cfg['follow_ups']} follow-ups, {cfg['positions']} answer positions, check layers "
         f"{cfg['check_layers']}, {'quick' if result['quick'] else 'full'} run; ± = standard error "
-        "across follow-ups; TTFT and served answers: per_request, through vLLM.",
+        "clustered by task; TTFT and served answers: per_request, through vLLM.",
         "",
         "| rule | selection | ratio | sinks | recomputed | top-1 agreement | KL(full ‖ blend) "
         "| identical answers | served identical | TTFT / stock |",

@@ -105,7 +105,7 @@ class RequestBlend:
         self.always[-1] = True  # the last prompt token's logits are the output
         self.num_reused = int(self.reused.sum()) - request.exact_prefix  # segments' tokens only
         ratio = options.recompute_ratio
-        ranked = own & ~self.always  # what the deviation ranking chooses from
+        ranked = own & ~sinks  # what the deviation ranking chooses from
         if ratio >= 1.0 or (ratio > 0.0 and bool(ranked.any())):
             self.checks = self._check_plan(ranked, per_segment) if ratio < 1.0 else {}
             computed = self.always | own

@@ -7,14 +7,17 @@ an end-of-turn token, as a served answer does). Per setting (rule ×
 ratio × selection), the family is blended as one layer-synchronous group, and blended and full
 prefill are scored teacher-forced over the full prefill's answer (`continuation_logits`):
 
-- agreement: share of answer positions with the same top-1 token;
-- KL: mean KL(full ‖ blended) over answer positions, nats;
+- agreement: share of all answer positions with the same top-1 token;
+- KL: mean KL(full ‖ blended) over all answer positions, nats;
 - identical answers: share of follow-ups whose top-1 agrees at every answer position — with
-  the same top-1 everywhere, greedy decoding of the blended KV gives the full prefill's answer;
+  the same top-1 everywhere, greedy decoding of the blended KV gives the full prefill's answer
+  (exactly so where the full prefill's teacher-forced top-1 is its greedy token at every
+  position; ``ChatReport.reference_flips`` counts the positions where it is not: near-ties);
 - answer prefix: mean share of an answer before its first disagreement.
 
-Standard errors are across follow-ups (a follow-up's positions are not independent): the standard
-deviation of per-follow-up means over √(follow-ups).
+Standard errors are clustered by task: a family's follow-ups share documents and one group blend,
+so neither positions nor follow-ups are independent. They are the standard deviation of the
+per-task values over √(tasks).
 
 Runs on any `LayerwiseModel`; `bench/quality.py --model smollm2` runs it on the model a serving
 vLLM engine loaded (the blend's own `VllmModel`).
@@ -68,6 +71,7 @@ class ChatReport(NamedTuple):
     num_requests: int
     num_positions: int
     documents: list[int]  # documents per follow-up
+    reference_flips: int  # answer positions whose full-prefill top-1 is not the greedy token
 
     def result(self, setting: Setting) -> ChatResult:
         for r in self.results:
@@ -131,9 +135,10 @@ def evaluate_chat(
         options = setting.options(check_layers)
         parts: list[Comparison] = []
         kinds: list[str] = []
+        clusters: list[int] = []
         reused = recomputed = 0
         seconds = 0.0
-        for task, source, task_refs in zip(tasks, sources, refs, strict=True):
+        for j, (task, source, task_refs) in enumerate(zip(tasks, sources, refs, strict=True)):
             start = time.perf_counter()
             blended = blend_group(
                 model, [r.blend_request() for r in task.requests], source, options
@@ -143,9 +148,10 @@ def evaluate_chat(
                 rows = continuation_logits(model, out.keys, out.values, out.logits, ref.answer)
                 parts.append(compare(ref.rows, rows, ref.answer))
                 kinds.append(request.kind)
+                clusters.append(j)
                 reused += out.num_reused
                 recomputed += out.num_recomputed
-        results.append(_aggregate(setting, parts, kinds, recomputed / max(1, reused),
+        results.append(_aggregate(setting, parts, kinds, clusters, recomputed / max(1, reused),
                                   seconds / len(tasks)))  # fmt: skip
         if progress is not None:
             r = results[-1]
@@ -158,15 +164,20 @@ def evaluate_chat(
         num_requests=sum(len(t.requests) for t in tasks),
         num_positions=sum(r.answer.numel() for task_refs in refs for r in task_refs),
         documents=[len(r.spans) for t in tasks for r in t.requests],
+        reference_flips=sum(
+            int((r.rows.argmax(-1) != r.answer).sum()) for task_refs in refs for r in task_refs
+        ),
     )
 
 
 def _aggregate(
-    setting: Setting, parts: list[Comparison], kinds: list[str], recomputed: float,
-    blend_s: float,
+    setting: Setting, parts: list[Comparison], kinds: list[str], clusters: list[int],
+    recomputed: float, blend_s: float,
 ) -> ChatResult:  # fmt: skip
-    agree = torch.stack([p.agree.float().mean() for p in parts])
-    kl = torch.stack([p.kl.mean() for p in parts])
+    agree = torch.cat([p.agree for p in parts]).float()
+    kl = torch.cat([p.kl for p in parts])
+    pairs = zip(parts, clusters, strict=True)
+    owner = torch.cat([torch.full((p.agree.numel(),), c) for p, c in pairs])
     prefix = []
     for p in parts:
         wrong = (~p.agree).nonzero()
@@ -174,9 +185,9 @@ def _aggregate(
     return ChatResult(
         setting=setting,
         agreement=float(agree.mean()),
-        agreement_se=_se(agree),
+        agreement_se=_clustered_se(agree, owner),
         kl=float(kl.mean()),
-        kl_se=_se(kl),
+        kl_se=_clustered_se(kl, owner),
         identical_answers=sum(1.0 for p in parts if bool(p.agree.all())) / len(parts),
         answer_prefix=sum(prefix) / len(prefix),
         recomputed=recomputed,
@@ -191,6 +202,9 @@ def _share(parts: list[Comparison], kinds: list[str], kind: str) -> float:
     return float(torch.cat(agree).float().mean())
 
 
-def _se(per_request: torch.Tensor) -> float:
-    n = per_request.numel()
-    return float(per_request.std(correction=1)) / math.sqrt(n) if n > 1 else 0.0
+def _clustered_se(values: torch.Tensor, owner: torch.Tensor) -> float:
+    """Standard error of the mean of ``values`` [N] fp32 whose entries come in clusters
+    (``owner`` [N], cluster ids): the spread of the per-cluster means over √(clusters)."""
+    means = torch.stack([values[owner == c].mean() for c in owner.unique()])
+    n = means.numel()
+    return float(means.std(correction=1)) / math.sqrt(n) if n > 1 else 0.0

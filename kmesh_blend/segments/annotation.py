@@ -109,7 +109,8 @@ def parse_request(
     ``kv_transfer_params``: the request's dict (or ``None``); only its ``"kmesh"`` entry is read.
     ``token_ids`` [num_tokens] and ``separator`` are used when a separator is configured
     (separator mode) and the request has no ``"kmesh"`` entry, or one without ``"segments"``
-    (it then carries only ``family`` / ``round`` / ``prepare`` / ``keep`` / ``close``).
+    (it then carries only ``family`` / ``round`` / ``prepare`` / ``keep`` / ``close`` and the
+    request's own ``recompute_ratio`` / ``sink_tokens``).
     """
     try:
         kmesh = None
@@ -128,7 +129,7 @@ def parse_request(
             separated = split_on_separator(token_ids, separator)
         if kmesh is not None:
             if isinstance(kmesh, Mapping) and "segments" not in kmesh and separated is not None:
-                # Separator mode: the annotation carries only family/round/prepare/keep.
+                # Separator mode: the annotation carries only lifetimes and settings.
                 if not separated:
                     return ParsedRequest(None, None)
                 annotation = parse_annotation({**kmesh, "segments": separated}, num_tokens,
@@ -197,7 +198,8 @@ def parse_annotation(kmesh: object, num_tokens: int, max_model_len: int) -> Anno
         raise AnnotationError(f"sink_tokens={sinks!r}; valid: an int >= 0", field="sink_tokens")
     return Annotation(
         spans, family, round_, prepare, keep, close=close,
-        recompute_ratio=None if ratio is None else float(ratio), sink_tokens=sinks,
+        recompute_ratio=None if ratio is None else float(ratio),
+        sink_tokens=None if sinks is None else int(sinks),
     )  # fmt: skip
 
 

@@ -54,14 +54,15 @@ class Encoded(NamedTuple):
     spans: list[Span]
 
     def kv_transfer_params(
-        self, *, family: str | None = None, round: int | None = None, prepare: bool = False
-    ) -> dict[str, Any]:
-        """The ``kv_transfer_params`` dict of CONTRACT.md for this prompt."""
+        self, *, family: str | None = None, round: int | None = None, prepare: bool = False,
+        recompute_ratio: float | None = None, sink_tokens: int | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The ``kv_transfer_params`` dict of docs/contract.md for this prompt (``None`` / false
+        fields are left out: the engine's settings apply)."""
         kmesh: dict[str, Any] = {"segments": [list(s) for s in self.spans]}
-        if family is not None:
-            kmesh["family"] = family
-        if round is not None:
-            kmesh["round"] = round
+        optional = {"family": family, "round": round, "recompute_ratio": recompute_ratio,
+                    "sink_tokens": sink_tokens}  # fmt: skip
+        kmesh.update({k: v for k, v in optional.items() if v is not None})
         if prepare:
             kmesh["prepare"] = True
         return {"kmesh": kmesh}

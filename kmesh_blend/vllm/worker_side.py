@@ -227,6 +227,7 @@ class WorkerSide:
                                [hooks[i] for i in members])  # fmt: skip
             for i, out in zip(members, outs, strict=True):
                 results[i] = out
+        assert all(r is not None for r in results)
         return [r for r in results if r is not None]
 
     def _lifetimes(self, meta: KMeshMetadata) -> None:

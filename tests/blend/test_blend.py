@@ -161,7 +161,7 @@ def test_start_of_segment_rule_recomputes_each_segments_first_tokens(
     plain = blend_one(llama, req, source, BlendOptions(recompute_ratio=0.0))
     first = req.uses[0].start
     assert not torch.equal(result.keys[2][first], plain.keys[2][first])
-    assert float((result.logits - full.logits).abs().max()) != float(
+    assert float((result.logits - full.logits).abs().max()) < float(
         (plain.logits - full.logits).abs().max()
     )
     # More sinks than a segment has tokens: the whole segment, no more.

@@ -92,7 +92,7 @@ def test_harness_is_exact_at_ratio_one_and_can_fail(model: ReferenceModel) -> No
     assert both.recomputed == pytest.approx(13 * uses / reused)
     assert report.num_positions == 6 * 6 and report.documents == [2, 2, 1] * 2
     assert exact.agreement_by_kind == {"reader": 1.0}  # the random tasks' prompts have no kind
-    assert plain.agreement_se >= 0.0 and plain.kl_se > 0
+    assert plain.kl_se > 0
 
 
 def test_masters_come_from_each_documents_reader(model: ReferenceModel) -> None:
@@ -103,13 +103,14 @@ def test_masters_come_from_each_documents_reader(model: ReferenceModel) -> None:
         assert torch.equal(source.positions(name), torch.arange(start, end))
 
 
-def test_the_benchmark_compares_rules_at_equal_recomputed_tokens() -> None:
-    import sys
+def test_the_benchmark_compares_rules_at_equal_recomputed_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from pathlib import Path
 
     from kmesh_blend.blend import keep_count
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     import _quality_smollm2 as real
 
     settings = real.rule_settings(192)

@@ -189,5 +189,9 @@ def test_a_request_may_carry_its_own_blend_setting() -> None:
     a = parse_annotation({"segments": [[0, 3]], "recompute_ratio": 1, "sink_tokens": 8}, 10, 64)
     assert (a.recompute_ratio, a.sink_tokens) == (1.0, 8)
     assert isinstance(a.recompute_ratio, float)
+    import numpy as np
+
+    c = parse_annotation({"segments": [[0, 3]], "sink_tokens": np.int64(4)}, 10, 64)
+    assert type(c.sink_tokens) is int and c.sink_tokens == 4  # what the blend's options accept
     b = parse_annotation({"segments": [[0, 3]]}, 10, 64)
     assert (b.recompute_ratio, b.sink_tokens) == (None, None)

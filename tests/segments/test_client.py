@@ -59,6 +59,11 @@ def test_several_segments_and_params(tokenizer) -> None:  # type: ignore[no-unty
     assert parsed.annotation.family == "f" and parsed.annotation.round == 1
     texts = [tokenizer.decode(enc.token_ids[s:e]) for s, e in enc.spans]
     assert texts == ["alpha", "beta gamma"]
+    own = enc.kv_transfer_params(recompute_ratio=0.3, sink_tokens=8)
+    annotation = parse_request(own, len(enc.token_ids), max_model_len=4096).annotation
+    assert annotation is not None
+    assert (annotation.recompute_ratio, annotation.sink_tokens) == (0.3, 8)
+    assert set(own["kmesh"]) == {"segments", "recompute_ratio", "sink_tokens"}
 
 
 def test_marker_errors() -> None:
