@@ -137,21 +137,13 @@ def engine(check_layers: tuple[int, ...]) -> tuple[Any, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kmesh_blend.testing import smollm2_checkpoint
-    from kmesh_blend.testing.engine import make_llm
+    from kmesh_blend.testing.engine import kv_transfer_config, make_llm
 
     llm = make_llm(
         smollm2_checkpoint(),
         "float32",
         enable_prefix_caching=False,
-        kv_transfer_config={
-            "kv_connector": "KMeshConnector",
-            "kv_connector_module_path": "kmesh_blend.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "kmesh.store": "cpu",
-                "kmesh.check_layers": list(check_layers),
-            },
-        },
+        kv_transfer_config=kv_transfer_config(store="cpu", check_layers=list(check_layers)),
     )
     return llm, get_kv_transfer_group().worker.model
 

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["leaked_connector", "make_llm", "prompt_logprobs"]
+__all__ = ["kv_transfer_config", "leaked_connector", "make_llm", "prompt_logprobs"]
 
 _ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -34,6 +34,17 @@ def make_llm(checkpoint: str | Path, dtype: str = "float32", **engine_args: Any)
     }
     args.update(engine_args)
     return LLM(**args)
+
+
+def kv_transfer_config(**settings: Any) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for our connector; ``settings`` are ``kmesh.*`` keys without
+    the prefix (``store="cpu"`` → ``"kmesh.store": "cpu"``)."""
+    return {
+        "kv_connector": "KMeshConnector",
+        "kv_connector_module_path": "kmesh_blend.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {f"kmesh.{k}": v for k, v in settings.items()},
+    }
 
 
 def prompt_logprobs(output: Any) -> list[float]:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
-from kmesh_blend.testing.engine import make_llm
+from kmesh_blend.testing.engine import kv_transfer_config, make_llm
 
 DOC_LEN, NUM_FOLLOW_UPS, MAX_TOKENS = 416, 4, 8
 
@@ -24,15 +24,6 @@ def prompts(seed: int = 0) -> list[tuple[list[int], list[list[int]]]]:
         question = torch.randint(3, 2048, (9 + i,), generator=gen).tolist()
         out.append((private + doc + question, [[len(private), len(private) + DOC_LEN]]))
     return out
-
-
-def kv_transfer_config(**extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "KMeshConnector",
-        "kv_connector_module_path": "kmesh_blend.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {f"kmesh.{k}": v for k, v in extra.items()},
-    }
 
 
 def params(spans: list[list[int]] | None) -> Any:
