@@ -33,6 +33,7 @@ KNOWN_KEYS: tuple[str, ...] = (
     "kmesh.store_cpu_bytes",
     "kmesh.store_timeout_s",
     "kmesh.compress_mirrors",
+    "kmesh.cascade_decode",
 )
 
 
@@ -121,6 +122,11 @@ class KMeshConfig:
     compress_mirrors: bool = False
     """Store mirrors' changed rows with lossless byte-plane zlib coding (≈1.4× smaller for bf16,
     ≈16 ms more per 2k-token mirror on one core); off keeps keeping a turn cheapest."""
+    cascade_decode: bool = False
+    """Decode the readers of a stored master in cascade: each decode step reads the master's KV
+    once for all of them (`kmesh_blend/vllm/cascade_decode.py`). Off by default: it changes the
+    order of floating-point sums (its tokens equal the stock kernel's, its log-probabilities
+    differ in the last bits) and it pays only where several requests decode over one segment."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -145,6 +151,8 @@ class KMeshConfig:
         object.__setattr__(self, "separator", _check_separator(self.separator))
         if not isinstance(self.compress_mirrors, bool):
             _fail("kmesh.compress_mirrors", self.compress_mirrors, "not a bool", "true or false")
+        if not isinstance(self.cascade_decode, bool):
+            _fail("kmesh.cascade_decode", self.cascade_decode, "not a bool", "true or false")
 
     @property
     def store_spec(self) -> StoreSpec:
@@ -200,6 +208,7 @@ class KMeshConfig:
             "kmesh.store_cpu_bytes": self.store_cpu_bytes,
             "kmesh.store_timeout_s": self.store_timeout_s,
             "kmesh.compress_mirrors": self.compress_mirrors,
+            "kmesh.cascade_decode": self.cascade_decode,
         }
 
 

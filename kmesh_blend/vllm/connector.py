@@ -24,6 +24,7 @@ prefix caching on and says why.
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,7 +81,7 @@ class KMeshConnector(KVConnectorBase_V1):
                 privatizer=_privatizer(vllm_config, kv_cache_config),
             )
         else:
-            from kmesh_blend.vllm.plugin import loaded_model
+            from kmesh_blend.vllm.plugin import loaded_model, loaded_runner
 
             self.worker = WorkerSide(
                 self.config,
@@ -90,6 +91,7 @@ class KMeshConnector(KVConnectorBase_V1):
                 vllm_config.cache_config.block_size,
                 vllm_config.compilation_config.static_forward_context,
                 _tp_shard(vllm_config),
+                _batch_order(loaded_runner(vllm_config)),
             )
         log.info("kmesh: %s side ready (%s)", role.name.lower(), self.config)
 
@@ -145,6 +147,11 @@ class KMeshConnector(KVConnectorBase_V1):
             and (meta.saves or meta.loads)
         ):
             self.worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is not None:
+            self.worker.finished(finished_req_ids)
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_blocks() if self.worker is not None else set()
@@ -210,6 +217,24 @@ def _privatizer(vllm_config: VllmConfig, kv_cache_config: Any) -> Privatizer | N
     hash_block = getattr(kv_cache_config, "hash_block_size", None) or cache_config.block_size
     log.info("kmesh: prefix caching on; blended blocks get private hashes (check passed)")
     return Privatizer(int(hash_block))
+
+
+def _batch_order(runner: Any) -> Any:
+    """``ids(n)``: the step's first n request ids in the order of its attention metadata (the
+    runner's input batch), None when unreadable; or None without a runner. Holds the runner
+    weakly (the runner reaches this connector)."""
+    if runner is None:
+        return None
+    ref = weakref.ref(runner)
+
+    def ids(num_reqs: int) -> list[str] | None:
+        batch = getattr(ref(), "input_batch", None)
+        got = getattr(batch, "req_ids", None)
+        if not isinstance(got, list) or len(got) < num_reqs:
+            return None
+        return list(got[:num_reqs])
+
+    return ids
 
 
 def _tp_shard(vllm_config: VllmConfig) -> tuple[int, int]:

@@ -20,11 +20,12 @@ import importlib.machinery
 import inspect
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-__all__ = ["loaded_model", "register"]
+__all__ = ["loaded_model", "loaded_runner", "register"]
 
 # Runner classes whose ``load_model`` we wrap, by module (CPU's runner does not call super()).
 _RUNNERS = {
@@ -34,6 +35,7 @@ _RUNNERS = {
 }
 _models: dict[int, Any] = {}  # id(VllmConfig) → loaded model
 _last: list[Any] = []  # the most recently loaded model in this process
+_runners: dict[int, weakref.ref[Any]] = {}  # id(VllmConfig) → the runner that loaded it
 _lock = threading.Lock()
 _registered = False
 
@@ -61,6 +63,14 @@ def loaded_model(vllm_config: Any) -> Any | None:
     return model if model is not None else _runner_on_stack()
 
 
+def loaded_runner(vllm_config: Any) -> Any | None:
+    """The model runner that loaded ``vllm_config``'s model in this process, or None (the
+    cascade decode path reads its batch order: ``input_batch.req_ids``)."""
+    with _lock:
+        ref = _runners.get(id(vllm_config))
+    return ref() if ref is not None else None
+
+
 def _record(runner: Any) -> None:
     model = runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)
     if model is None:
@@ -68,6 +78,10 @@ def _record(runner: Any) -> None:
     with _lock:
         _models[id(runner.vllm_config)] = model
         _last[:] = [model]
+        try:
+            _runners[id(runner.vllm_config)] = weakref.ref(runner)
+        except TypeError:  # not weak-referenceable: the cascade decode path stays off
+            pass
 
 
 def _wrap_runner(module: ModuleType, class_name: str) -> None:

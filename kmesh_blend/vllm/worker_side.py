@@ -36,6 +36,8 @@ from kmesh_blend.segments.identity import SegmentId
 from kmesh_blend.segments.index import SegmentIndex
 from kmesh_blend.segments.master import MasterLayout
 from kmesh_blend.segments.store import open_store
+from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse
+from kmesh_blend.vllm.cascade_install import install as install_cascade
 from kmesh_blend.vllm.meta import VLLM_TAIL, KMeshMetadata, KMeshWorkerMetadata, LoadRequest
 from kmesh_blend.vllm.model import VllmModel, check_decomposition
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
@@ -75,8 +77,13 @@ class WorkerSide:
 
     def __init__(self, config: KMeshConfig, model: Any, hf_config: Any, dtype: torch.dtype,
                  block_size: int, static_forward_context: dict[str, Any],
-                 shard: tuple[int, int] = (0, 1)) -> None:  # fmt: skip
+                 shard: tuple[int, int] = (0, 1),
+                 batch_ids: Callable[[int], list[str] | None] | None = None) -> None:  # fmt: skip
         self.config, self.block_size = config, block_size
+        self.batch_ids = batch_ids  # ids of the step's requests in batch order (cascade decode)
+        self.cascade: CascadeDecode | None = None
+        self.cascade_off: str | None = "kmesh.cascade_decode is off" if not config.cascade_decode \
+            else "the paged KV layout is unknown"
         self.model, self.unsupported = _adapt(model, hf_config, dtype)
         config.validate_for_model(self.model.shape.num_layers)
         shape = self.model.shape
@@ -129,6 +136,15 @@ class WorkerSide:
                 [self.attn_layers[n] for n in names], self.kv_caches, self.paged,
                 shape.num_heads, shape.num_kv_heads, shape.head_dim, self.model.attend,
             )  # fmt: skip
+        if self.paged is not None and self.config.cascade_decode:
+            if self.batch_ids is None:
+                self.cascade_off = "the model runner's batch order is not reachable"
+            else:
+                self.cascade, self.cascade_off = install_cascade(
+                    [self.attn_layers[n] for n in names], self.kv_caches, self.paged,
+                    self.model.rope, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                    self.batch_ids,
+                )  # fmt: skip
 
     @torch.no_grad()
     def load(self, meta: KMeshMetadata) -> None:
@@ -168,6 +184,7 @@ class WorkerSide:
                 report = self.out.reports.setdefault(load.req_id, {})
                 report["reused_tokens"] = int(result.num_reused)
                 report["recomputed_tokens"] = int(result.num_recomputed)
+                self._decode_plan(load, masters, report)
         except Exception as exc:  # never serve doubtful KV: the whole group recomputes
             # The traceback as text: a record holding the exception would keep the engine's
             # frames (and the engine) alive for as long as a log handler keeps the record.
@@ -247,6 +264,22 @@ class WorkerSide:
         if retired:
             log.info("kmesh: %d segments retired (round %d)", len(retired), index.current_round)
 
+    def _decode_plan(self, load: LoadRequest, masters: dict[str, Any], report: Any) -> None:
+        """Hand a blended request to the cascade decode path (armed at its first decode step)."""
+        if self.cascade is None:
+            if self.config.cascade_decode:
+                report["cascade_off"] = self.cascade_off
+            return
+        uses = [MasterUse(r.segment_id, r.start, r.end, masters[r.segment_id])
+                for r in load.segments if r.segment_id in masters]  # fmt: skip
+        self.cascade.add(load.req_id, load.block_ids, len(load.token_ids), uses)
+
+    def finished(self, req_ids: set[str]) -> None:
+        """Requests vLLM finished: their decode plans go (their blocks may be reused)."""
+        if self.cascade is not None:
+            for req_id in req_ids:
+                self.cascade.drop(req_id)
+
     def take_failed_blocks(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
         return failed
@@ -254,6 +287,9 @@ class WorkerSide:
     def take_output(self) -> KMeshWorkerMetadata | None:
         out, self.out = self.out, KMeshWorkerMetadata()
         out.disabled = self.unsupported
+        if self.cascade is not None:
+            for req_id, fields in self.cascade.take_reports().items():
+                out.reports.setdefault(req_id, {}).update(fields)  # type: ignore[typeddict-item]
         return out if (out.reports or out.published or out.disabled or out.lost
                        or out.unpublished or out.retired or out.closed_upto) else None  # fmt: skip
 
@@ -433,6 +469,8 @@ class WorkerSide:
 
     def _fail(self, load: LoadRequest, reason: str) -> None:
         log.warning("kmesh: request %s recomputes: %s", load.req_id, reason)
+        if self.cascade is not None:
+            self.cascade.drop(load.req_id)
         self.failed_blocks.update(load.block_ids)
         self.out.reports[load.req_id] = {
             "reused_tokens": 0,

@@ -1,0 +1,282 @@
+"""Cascade attention in vLLM's decode: requests that read the same master attend to it once.
+
+Switched on by ``kmesh.cascade_decode``. The worker gives each attention layer of this engine a
+subclass of its backend implementation (`install`; vLLM's CPU backend, no file patched, no global
+registry entry) whose ``forward`` asks `CascadeDecode.forward`. Per step — the same attention
+metadata object serves every layer, so the plan is built once — the batch's requests are matched
+to decode plans (`kmesh_blend.vllm.decode_plan`) by request id (the runner's batch order) *and*
+by their block-table rows. Requests decoding one token whose plan is armed attend through
+`kmesh_blend.attention.decode.decode_cascade`: one shared level per master (its K/V read once for
+all its readers, rows a reader replaced masked for it), one unique level per request (its other
+prompt rows and generated rows, gathered from its own paged blocks). Every other request of the
+step runs on vLLM's own kernel, as a sub-batch; a step with no cascade request, or whose
+metadata is anything but plain causal attention, runs vLLM's forward unchanged.
+
+A start-up self-check (`check`) runs this path and vLLM's kernel on scratch blocks; if they
+disagree, nothing is installed and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from kmesh_blend.attention.decode import MASKED, SharedLevel, decode_cascade, rotation_tables
+from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
+from kmesh_blend.vllm.paged import PagedLayout
+
+__all__ = ["CascadeDecode", "MasterUse"]
+
+log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
+
+ReqIds = Callable[[int], "list[str] | None"]
+
+
+class _Level(NamedTuple):
+    master: SharedMaster
+    users: torch.Tensor  # [u] int64 rows of the step's cascade requests
+    cos: torch.Tensor  # [u, D] fp32
+    signed_sin: torch.Tensor  # [u, D] fp32
+    bias: torch.Tensor  # [L, u, S] fp32
+
+
+class _Others(NamedTuple):
+    """vLLM kernel inputs for the step's other requests (a sub-batch)."""
+
+    tokens: torch.Tensor  # [t] int64 query rows
+    query_start_loc: torch.Tensor  # [r+1] int32
+    seq_lens: torch.Tensor  # [r] int32
+    block_table: torch.Tensor  # [r, max_blocks] int32
+    schedule: Any
+
+
+class _Step(NamedTuple):
+    tokens: torch.Tensor  # [n] int64 query rows of the cascade requests
+    unique_slots: list[torch.Tensor]  # per layer [n, U] int64 (prompt part, then generated)
+    unique_bias: list[torch.Tensor]  # per layer [n, U] fp32
+    levels: list[_Level]
+    others: _Others | None
+
+
+class CascadeDecode:
+    """``layers``: vLLM's attention layers in model order; ``caches``: their KV cache tensors;
+    ``rope``: the model's `RotaryEmbedding`; ``req_ids(n)``: the ids of the batch's first n
+    requests in the order of the attention metadata (None when unknown: no cascade)."""
+
+    def __init__(self, layers: list[Any], caches: list[torch.Tensor], layout: PagedLayout,
+                 rope: Any, num_heads: int, num_kv_heads: int, head_dim: int,
+                 req_ids: ReqIds) -> None:  # fmt: skip
+        self.layers, self.caches, self.layout, self.rope = layers, caches, layout, rope
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.req_ids = req_ids
+        self.plans: dict[str, DecodePlan] = {}
+        self.masters: dict[str, SharedMaster] = {}
+        self.reports: dict[str, dict[str, Any]] = {}  # req_id → report fields, taken per step
+        self._meta: Any = None  # the metadata the cached step was built for (kept alive)
+        self._step: _Step | None = None
+        self._composition: tuple[tuple[str, ...], _Step] | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def add(self, req_id: str, block_ids: list[int], num_tokens: int,
+            uses: list[MasterUse]) -> None:  # fmt: skip
+        """A request blended this step; its plan is armed at its first decode step."""
+        self.drop(req_id)
+        if uses:
+            self.plans[req_id] = DecodePlan(req_id, list(block_ids), num_tokens, uses)
+            self.reports[req_id] = {"cascade_steps": 0}
+
+    def drop(self, req_id: str, reason: str | None = None) -> None:
+        plan = self.plans.pop(req_id, None)
+        if plan is None:
+            return
+        if reason is not None:
+            log.info("kmesh: request %s leaves cascade decode: %s", req_id, reason)
+            self.reports.setdefault(req_id, {})["cascade_off"] = reason
+        if plan.armed:
+            for use in plan.uses:
+                master = self.masters.get(use.key)
+                if master is not None:
+                    master.users -= 1
+                    if master.users <= 0:
+                        del self.masters[use.key]
+        self._composition = None
+
+    def take_reports(self) -> dict[str, dict[str, Any]]:
+        out, self.reports = self.reports, {}
+        return out
+
+    # --- the attention forward ------------------------------------------------------------------
+
+    def forward(self, index: int, stock: Callable[..., torch.Tensor], layer: Any,
+                query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: Any, output: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Attention of layer ``index``; ``stock`` is vLLM's own forward of the same impl."""
+        if meta is not self._meta:
+            self._meta = meta
+            self._step = self._build(meta, layer, query.dtype) if self.plans else None
+        step = self._step
+        if step is None:
+            return stock(layer, query, key, value, kv_cache, meta, output)
+        impl = layer.impl
+        num = meta.num_actual_tokens
+        out = output[:num].view(num, self.num_heads, self.head_dim)
+        slots = step.unique_slots[index]
+        k, v = self.layout.read(kv_cache, slots.reshape(-1))
+        shape = (*slots.shape, self.num_kv_heads, self.head_dim)
+        levels = [
+            SharedLevel(lv.master.k[index], lv.master.v[index], lv.users, lv.cos, lv.signed_sin,
+                        lv.bias[index])  # fmt: skip
+            for lv in step.levels
+        ]
+        got = decode_cascade(query[step.tokens], k.view(shape), v.view(shape),
+                             step.unique_bias[index], levels, impl.scale)  # fmt: skip
+        out[step.tokens] = got.to(out.dtype)
+        if step.others is not None:
+            out[step.others.tokens] = _kernel(layer, kv_cache, query[step.others.tokens],
+                                              step.others, meta.causal)  # fmt: skip
+        return output
+
+    # --- per-step plan --------------------------------------------------------------------------
+
+    def _build(self, meta: Any, layer: Any, dtype: torch.dtype) -> _Step | None:
+        if getattr(meta, "dynamic_causal", None) is not None or not getattr(meta, "causal", False):
+            return None
+        num_reqs = int(meta.seq_lens.numel())
+        ids = self.req_ids(num_reqs)
+        if ids is None or len(ids) < num_reqs:
+            return None
+        starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        chosen: list[tuple[int, DecodePlan]] = []
+        for i, req_id in enumerate(ids[:num_reqs]):
+            plan = self.plans.get(req_id)
+            if plan is None:
+                continue
+            if not plan.holds(meta.block_table[i]):
+                self.drop(req_id, "its blocks changed (preempted and rescheduled)")
+                continue
+            decoding = starts[i + 1] - starts[i] == 1 and seq_lens[i] > plan.num_tokens
+            if not decoding:
+                if plan.armed:  # prefilled again after a preemption: its rows are new
+                    self.drop(req_id, "its prompt was computed again")
+                continue
+            if not plan.armed:
+                reason = plan.arm(self.layout, self.caches, self.rope)
+                if reason is not None:
+                    self.drop(req_id, reason)
+                    continue
+                for use in plan.uses:
+                    if use.key not in self.masters:
+                        self.masters[use.key] = SharedMaster.of(use.master)
+                    self.masters[use.key].users += 1
+            chosen.append((i, plan))
+        if not chosen:
+            return None
+        for _, plan in chosen:
+            plan.steps += 1
+            self.reports[plan.req_id] = {"cascade_steps": plan.steps,
+                                         "cascade_shared_rows": plan.shared_rows}  # fmt: skip
+        rows = [i for i, _ in chosen]
+        base = self._compose([plan for _, plan in chosen])
+        tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
+        gen_slots, gen_bias = self._generated(meta, chosen, seq_lens)
+        others = [i for i in range(num_reqs) if i not in set(rows)]
+        return _Step(
+            tokens,
+            [torch.cat((s, gen_slots), dim=1) for s in base.unique_slots],
+            [torch.cat((b, gen_bias), dim=1) for b in base.unique_bias],
+            base.levels,
+            self._others(meta, layer, dtype, others, starts) if others else None,
+        )
+
+    def _compose(self, plans: list[DecodePlan]) -> _Step:
+        """The parts of a step that depend only on which plans decode (kept while it holds)."""
+        key = tuple(p.req_id for p in plans)
+        if self._composition is not None and self._composition[0] == key:
+            return self._composition[1]
+        num_layers = len(self.caches)
+        slots, bias = [], []
+        for layer in range(num_layers):
+            width = max(int(p.unique_slots[layer].numel()) for p in plans)
+            s = torch.zeros(len(plans), width, dtype=torch.int64)
+            b = torch.full((len(plans), width), MASKED)
+            for r, p in enumerate(plans):
+                own = p.unique_slots[layer]
+                s[r, : own.numel()], b[r, : own.numel()] = own, 0.0
+            slots.append(s)
+            bias.append(b)
+        readers: dict[str, list[tuple[int, MasterUse, torch.Tensor]]] = {}
+        for r, p in enumerate(plans):
+            for use, rows in zip(p.uses, p.shared, strict=True):
+                readers.setdefault(use.key, []).append((r, use, rows))
+        levels = []
+        for master_key, group in readers.items():
+            master = self.masters[master_key]
+            deltas = torch.tensor([use.start - master.first for _, use, _ in group])
+            cos, signed_sin = rotation_tables(deltas, self.rope.inv_freq)
+            reads = torch.stack([rows for _, _, rows in group], dim=1)  # [L, u, S]
+            levels.append(_Level(master, torch.tensor([r for r, _, _ in group]), cos, signed_sin,
+                                 torch.where(reads, 0.0, MASKED)))  # fmt: skip
+        step = _Step(torch.empty(0), slots, bias, levels, None)
+        self._composition = (key, step)
+        return step
+
+    def _generated(
+        self, meta: Any, chosen: list[tuple[int, DecodePlan]], seq_lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [n, G] int64 and bias [n, G] fp32 of each request's rows after its prompt."""
+        block_size = self.layout.block_size
+        width = max(seq_lens[i] - p.num_tokens for i, p in chosen)
+        slots = torch.zeros(len(chosen), width, dtype=torch.int64)
+        bias = torch.full((len(chosen), width), MASKED)
+        for r, (i, plan) in enumerate(chosen):
+            pos = torch.arange(plan.num_tokens, seq_lens[i])
+            blocks = meta.block_table[i].to(torch.int64)[pos // block_size]
+            slots[r, : pos.numel()] = blocks * block_size + pos % block_size
+            bias[r, : pos.numel()] = 0.0
+        return slots, bias
+
+    def _others(self, meta: Any, layer: Any, dtype: torch.dtype, rows: list[int],
+                starts: list[int]) -> _Others:  # fmt: skip
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        tokens = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows])
+        lens = torch.tensor([starts[i + 1] - starts[i] for i in rows], dtype=torch.int32)
+        query_start_loc = torch.cat((torch.zeros(1, dtype=torch.int32), lens.cumsum(0).int()))
+        index = torch.tensor(rows)
+        seq_lens = meta.seq_lens[index].contiguous()
+        schedule = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(rows), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, seq_lens=seq_lens, dtype=dtype,
+            query_start_loc=query_start_loc, causal=bool(meta.causal), sliding_window_size=-1,
+            isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+            kv_cache_dtype=layer.impl.kv_cache_dtype,
+        )  # fmt: skip
+        block_table = meta.block_table[index].contiguous()
+        return _Others(tokens, query_start_loc, seq_lens, block_table, schedule)
+
+
+def _kernel(layer: Any, cache: torch.Tensor, query: torch.Tensor, sub: _Others,
+            causal: bool) -> torch.Tensor:  # fmt: skip
+    """vLLM's CPU attention kernel on a sub-batch: [t, H, D] in the query dtype."""
+    from vllm import _custom_ops as ops
+
+    impl = layer.impl
+    blocks, heads, block_size, _ = cache.shape
+    base = cache.view(blocks, heads, 2 * block_size, -1)
+    key_cache, value_cache = base.chunk(2, dim=2)
+    out = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(
+        query=query.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
+        query_start_loc=sub.query_start_loc, seq_lens=sub.seq_lens, scale=impl.scale,
+        causal=causal, alibi_slopes=impl.alibi_slopes, sliding_window=impl.sliding_window,
+        block_table=sub.block_table, softcap=impl.logits_soft_cap, scheduler_metadata=sub.schedule,
+        s_aux=impl.sinks, dynamic_causal=None, k_scale=layer._k_scale_float,
+        v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype,
+    )  # fmt: skip
+    return out

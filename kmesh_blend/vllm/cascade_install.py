@@ -1,0 +1,168 @@
+"""Putting the cascade decode path into this engine's attention layers, after a self-check.
+
+`install` checks `CascadeDecode` against vLLM's own kernel on scratch blocks (two requests
+reading one master at different offsets, rows replaced, a third request prefilling beside them)
+and, if they agree, gives each attention layer's ``impl`` a subclass of its own class whose
+``forward`` goes through the cascade path. Only this engine's layers change; vLLM's backend
+registry and files are untouched. Anything unsupported (not vLLM's CPU backend, sliding window,
+ALiBi, soft-capping, attention sinks, quantized KV) leaves the stock forward in place and says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse, ReqIds
+from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
+
+__all__ = ["install"]
+
+log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
+
+_subclasses: dict[type, type] = {}
+
+
+def install(layers: list[Any], caches: list[torch.Tensor], layout: PagedLayout, rope: Any,
+            num_heads: int, num_kv_heads: int, head_dim: int,
+            req_ids: ReqIds) -> tuple[CascadeDecode | None, str | None]:  # fmt: skip
+    """(the installed path, None), or (None, why it stays off)."""
+    problem = _unsupported(layers[0], layout)
+    if problem is None:
+        problem = _self_check(layers[0], caches[0], layout, rope, num_heads, num_kv_heads,
+                              head_dim)  # fmt: skip
+    if problem is not None:
+        log.warning("kmesh: cascade decode stays off: %s", problem)
+        return None, problem
+    decode = CascadeDecode(layers, caches, layout, rope, num_heads, num_kv_heads, head_dim,
+                           req_ids)  # fmt: skip
+    for index, layer in enumerate(layers):
+        _attach(layer.impl, decode, index)
+    log.info("kmesh: cascade decode on for %d attention layers (self-check passed)", len(layers))
+    return decode, None
+
+
+def _attach(impl: Any, decode: CascadeDecode, index: int) -> None:
+    base = type(impl)
+    if getattr(base, "_kmesh_cascade", False):
+        base = base.__mro__[1]
+    cls = _subclasses.get(base)
+    if cls is None:
+
+        def forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any,
+                    output: torch.Tensor, output_scale: Any = None,
+                    output_block_scale: Any = None) -> torch.Tensor:  # fmt: skip
+            stock = super(cls, self).forward  # type: ignore[arg-type]
+            route = getattr(self, "_kmesh_route", None)
+            if route is None or attn_metadata is None or output_scale is not None:
+                return stock(layer, query, key, value, kv_cache, attn_metadata, output,
+                             output_scale, output_block_scale)  # fmt: skip
+            return route[0].forward(route[1], stock, layer, query, key, value, kv_cache,
+                                    attn_metadata, output)  # fmt: skip
+
+        cls = type(f"KMeshCascade{base.__name__}", (base,), {"forward": forward,
+                                                             "_kmesh_cascade": True})  # fmt: skip
+        _subclasses[base] = cls
+    impl._kmesh_route = (decode, index)
+    impl.__class__ = cls
+
+
+def _unsupported(layer: Any, layout: PagedLayout) -> str | None:
+    impl = getattr(layer, "impl", None)
+    if type(impl).__name__.removeprefix("KMeshCascade") != "CPUAttentionBackendImpl":
+        return f"attention backend {type(impl).__name__} (only vLLM's CPU backend is wired)"
+    if layout.name not in ("cpu_rows", "cpu_k_transposed"):
+        return f"paged layout {layout.name}"
+    if impl.sliding_window != -1 or impl.alibi_slopes is not None or impl.logits_soft_cap:
+        return "sliding window, ALiBi or soft-capping"
+    if impl.sinks is not None or impl.is_fp8_kv_cache:
+        return "attention sinks or a quantized KV cache"
+    return None
+
+
+def _self_check(layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any, num_heads: int,
+                num_kv_heads: int, head_dim: int) -> str | None:  # fmt: skip
+    """Run the cascade path and vLLM's kernel on scratch blocks; None when they agree."""
+    try:
+        got, want = _scratch_run(layer, cache, layout, rope, num_heads, num_kv_heads, head_dim)
+    except Exception as exc:  # any failure: keep vLLM's forward
+        return f"self-check failed: {type(exc).__name__}: {exc}"
+    tol = 1e-4 if cache.dtype == torch.float32 else 3e-2
+    err = float((got.float() - want.float()).abs().max())
+    return None if err <= tol else f"self-check differs from vLLM's kernel by {err:.2e} (> {tol})"
+
+
+class _Master:
+    def __init__(self, kv: torch.Tensor, positions: torch.Tensor) -> None:
+        self.kv, self.positions = kv, positions
+
+
+def _scratch_run(layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any,
+                 num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    from vllm import _custom_ops as ops
+    from vllm import envs
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+    bs, dtype = layout.block_size, cache.dtype
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    size, first = bs + 5, 2
+    master_k = rope.apply(rand(size, num_kv_heads, head_dim), torch.arange(first, first + size))
+    master_v = rand(size, num_kv_heads, head_dim)
+    master = _Master(torch.stack((master_k, master_v))[None].to(dtype),
+                     torch.arange(first, first + size))  # fmt: skip
+    # (offset, prompt length, generated) per request; the third prefills 4 tokens meanwhile.
+    shapes = [(3, size + 7, 3), (bs + 1, size + bs + 4, 1), (0, 2 * bs - 1, 0)]
+    blocks = [[0, 4, 2], [3, 6, 1, 7], [5, 8]]
+    scratch = cache.new_zeros((9, *cache.shape[1:]))
+    for r, (offset, prompt, extra) in enumerate(shapes):
+        total = prompt + extra
+        k = rope.apply(rand(total, num_kv_heads, head_dim), torch.arange(total))
+        v = rand(total, num_kv_heads, head_dim)
+        if r < 2:
+            keep = torch.rand(size, generator=gen) > 0.25
+            delta = torch.full((size,), offset - first)
+            k[offset : offset + size][keep] = rope.apply(master_k.to(dtype).float(), delta)[keep]
+            v[offset : offset + size][keep] = master_v.to(dtype).float()[keep]
+        slots = slot_mapping(blocks[r], bs, 0, total)
+        layer.impl.do_kv_cache_update(layer, k.to(dtype), v.to(dtype), scratch, slots)
+    seq_lens = torch.tensor([p + e for _, p, e in shapes], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 1, 2, 6], dtype=torch.int32)
+    table = torch.tensor([b + [0] * (4 - len(b)) for b in blocks], dtype=torch.int32)
+    query = rope.apply(rand(6, num_heads, head_dim), torch.tensor([25, 26, 27, 28, 29, 30]))
+    query = query.to(dtype)
+    schedule = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=3, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc, causal=True,
+        sliding_window_size=-1, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None, kv_cache_dtype=layer.impl.kv_cache_dtype,
+    )  # fmt: skip
+    meta = CPUAttentionMetadata(
+        num_actual_tokens=6, max_query_len=4, query_start_loc=query_start_loc,
+        max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=table,
+        slot_mapping=torch.zeros(6, dtype=torch.int64), scheduler_metadata=schedule,
+    )  # fmt: skip
+    stock = type(layer.impl).forward
+    if getattr(type(layer.impl), "_kmesh_cascade", False):
+        stock = type(layer.impl).__mro__[1].forward
+
+    def stock_forward(*args: Any) -> torch.Tensor:
+        return stock(layer.impl, *args)
+
+    empty = query.new_empty(0)
+    want = stock_forward(layer, query, empty, empty, scratch, meta, torch.zeros_like(query))
+    decode = CascadeDecode([layer], [scratch], layout, rope, num_heads, num_kv_heads, head_dim,
+                           lambda n: ["a", "b", "c"][:n])  # fmt: skip
+    for name, (offset, prompt, _), ids in zip("ab", shapes, blocks, strict=False):
+        decode.add(name, ids, prompt, [MasterUse("m", offset, offset + size, master)])
+    got = decode.forward(0, stock_forward, layer, query, empty, empty, scratch, meta,
+                         torch.zeros_like(query))  # fmt: skip
+    if decode.reports.get("a", {}).get("cascade_steps") != 1:
+        raise RuntimeError(f"the scratch requests did not decode in cascade: {decode.reports}")
+    return got, want

@@ -1,0 +1,116 @@
+"""What one blended request's decode can read from shared masters: verified per layer, per row.
+
+After a request's blended prefill, row j of a segment it reused holds, in layer l, either the
+master's row re-positioned (K rotated on by Δ = offset − master start, V unchanged) or a row of
+its own (recomputed, from a group leader, from vLLM's prefix cache, or vLLM's own tail tokens).
+Which one is not taken from the blend's bookkeeping: `arm` reads the request's paged rows back
+and compares them with the master — V bit for bit, K within a rounding tolerance of the master
+key rotated by Δ. Only rows that pass read the master in cascade; every other prompt row is in the
+request's unique level. A doubtful row therefore costs bandwidth, never correctness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
+
+__all__ = ["DecodePlan", "MasterUse", "SharedMaster"]
+
+
+@dataclass(frozen=True)
+class MasterUse:
+    """A stored segment the request reused: prompt rows [start, end) from ``master`` (``kv``
+    [L, 2, S, Hkv, D] with K rotated at ``positions`` [S] int64), keyed by ``key``."""
+
+    key: str
+    start: int
+    end: int
+    master: Any
+
+
+@dataclass
+class SharedMaster:
+    """A master in the layout the decode reads: k / v [L, Hkv, S, D] fp32, ``first`` its first
+    stored position; ``users`` how many live plans read it (freed at 0)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    first: int
+    users: int = 0
+
+    @classmethod
+    def of(cls, master: Any) -> SharedMaster:
+        kv = master.kv
+        k = kv[:, 0].float().permute(0, 2, 1, 3).contiguous()
+        v = kv[:, 1].float().permute(0, 2, 1, 3).contiguous()
+        return cls(k, v, int(master.positions[0]))
+
+
+@dataclass
+class DecodePlan:
+    """One request's cascade decode: its prompt blocks, the masters it reads, and (once armed)
+    per use the [L, S] bool rows read from the master and per layer the slots [P_l] int64 of
+    its other prompt rows."""
+
+    req_id: str
+    block_ids: list[int]
+    num_tokens: int
+    uses: list[MasterUse]
+    armed: bool = False
+    steps: int = 0
+    shared_rows: int = 0  # prompt rows read from masters, averaged over layers
+    shared: list[torch.Tensor] = field(default_factory=list)
+    unique_slots: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.blocks = torch.tensor(self.block_ids, dtype=torch.int64)
+
+    def holds(self, block_row: torch.Tensor) -> bool:
+        """Whether a batch's block-table row [max_blocks] starts with this request's blocks."""
+        n = self.blocks.numel()
+        return block_row.numel() >= n and torch.equal(block_row[:n].to(torch.int64), self.blocks)
+
+    def arm(self, layout: PagedLayout, caches: list[torch.Tensor], rope: Any) -> str | None:
+        """Verify the paged rows against the masters; None when armed, else why not."""
+        block_size = layout.block_size
+        num_layers = len(caches)
+        reads = torch.zeros(num_layers, self.num_tokens, dtype=torch.bool)
+        self.shared = []
+        for use in self.uses:
+            kv = use.master.kv
+            size = use.end - use.start
+            if kv.shape[0] != num_layers or kv.shape[2] != size:
+                return f"master {use.key[:16]} has shape {tuple(kv.shape)}"
+            slots = slot_mapping(self.block_ids, block_size, use.start, use.end)
+            delta = torch.full((size,), use.start - int(use.master.positions[0]))
+            rows = torch.zeros(num_layers, size, dtype=torch.bool)
+            for layer, cache in enumerate(caches):
+                k, v = layout.read(cache, slots.to(cache.device))
+                k, v = k.cpu(), v.cpu()
+                same_v = (v == kv[layer, 1].to(v.dtype)).flatten(1).all(1)
+                want = rope.apply(kv[layer, 0].float(), delta)
+                atol, rtol = _tolerance(k.dtype)
+                close = ((k.float() - want).abs() <= atol + rtol * want.abs()).flatten(1).all(1)
+                rows[layer] = same_v & close
+            rows &= ~reads[:, use.start : use.end]  # overlapping uses: the first one reads
+            reads[:, use.start : use.end] |= rows
+            self.shared.append(rows)
+        if not bool(reads.any()):
+            return "no prompt row equals its master (every reused row was replaced)"
+        own = slot_mapping(self.block_ids, block_size, 0, self.num_tokens)
+        self.unique_slots = [own[~reads[layer]] for layer in range(num_layers)]
+        self.shared_rows = round(int(reads.sum()) / num_layers)
+        self.armed = True
+        return None
+
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol) between a paged key and the master key rotated here: one rounding of the
+    rotation in the cache dtype."""
+    if dtype == torch.float32:
+        return 1e-5, 1e-5
+    return 1e-2, 1.6e-2
