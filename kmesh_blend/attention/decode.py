@@ -18,25 +18,35 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MASKED", "SharedLevel", "decode_cascade", "rotation_tables"]
+__all__ = ["MASKED", "OwnLevel", "SharedLevel", "decode_cascade", "rotation_tables"]
 
 # Additive score bias of a masked key. Finite, so a level whose keys are all masked for a query
 # yields a finite state whose merge weight underflows to exactly 0 (−inf would give 0/0).
 MASKED = -1.0e30
 
 
+class OwnLevel(NamedTuple):
+    """Rows of each request's own, padded to U: k_t [n, Hkv, D, U] fp32 (keys, transposed for
+    the score product), v [n, Hkv, U, D] fp32, bias [n, U] fp32 (0 real row, `MASKED` pad)."""
+
+    k_t: torch.Tensor
+    v: torch.Tensor
+    bias: torch.Tensor
+
+
 class SharedLevel(NamedTuple):
     """One shared master and the rows of this step's queries that read it.
 
-    k / v: [Hkv, S, D] fp32 (k rotated at the master's positions). users: [u] int64 rows of the
-    step's queries. cos / signed_sin: [u, D] fp32, the rotation by −Δ of each user
-    (`rotation_tables`). bias: [u, S] fp32, 0 where the user reads the master row, `MASKED`
-    where its own copy differs (those rows are in its unique level).
+    k_t: [Hkv, D, S] fp32 (keys rotated at the master's positions, transposed); v: [Hkv, S, D]
+    fp32. users: [u] int64 rows of the step's queries, or None for all n in order. cos /
+    signed_sin: [u, D] fp32, the rotation by −Δ of each user (`rotation_tables`). bias: [u, S]
+    fp32, 0 where the user reads the master row, `MASKED` where its own copy differs (those rows
+    are in its own level).
     """
 
-    k: torch.Tensor
+    k_t: torch.Tensor
     v: torch.Tensor
-    users: torch.Tensor
+    users: torch.Tensor | None
     cos: torch.Tensor
     signed_sin: torch.Tensor
     bias: torch.Tensor
@@ -52,56 +62,64 @@ def rotation_tables(deltas: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
 
 
 def decode_cascade(
-    q: torch.Tensor,
-    unique_k: torch.Tensor,
-    unique_v: torch.Tensor,
-    unique_bias: torch.Tensor,
-    shared: Sequence[SharedLevel],
-    scale: float,
+    q: torch.Tensor, own: Sequence[OwnLevel], shared: Sequence[SharedLevel], scale: float
 ) -> torch.Tensor:
-    """Attention of one decode query per request over its unique rows and the shared masters.
+    """Attention of one decode query per request over its own rows and the shared masters.
 
-    q: [n, H, D] (rotated at each request's position). unique_k / unique_v: [n, U, Hkv, D], each
-    request's own rows, padded to U; unique_bias: [n, U] fp32 (0 real row, `MASKED` padding).
-    Returns [n, H, D] fp32, equal to softmax attention over each request's materialized context
-    (fp32: within 1e-5 of vLLM's kernel, measured by the start-up self-check).
+    q: [n, H, D] (rotated at each request's position), any float dtype; ``own``: at least one
+    level. Returns [n, H, D] fp32, equal to softmax attention over each request's materialized
+    context (the start-up self-check bounds the difference to vLLM's kernel).
     """
     n, heads, dim = q.shape
-    kv_heads = unique_k.shape[2]
+    kv_heads = own[0].k_t.shape[1]
     group = heads // kv_heads
     qf = q.float().view(n, kv_heads, group, dim)
-    # Unique level, batched over requests: [n, Hkv, G, U].
-    scores = torch.matmul(qf, unique_k.float().permute(0, 2, 3, 1)) * scale
-    scores += unique_bias[:, None, None, :]
-    top = scores.amax(-1)
-    probs = torch.exp(scores - top[..., None])
-    total = probs.sum(-1)
-    acc = torch.matmul(probs, unique_v.float().transpose(1, 2))  # [n, Hkv, G, D]
-    top, total, acc = top.view(n, heads), total.view(n, heads), acc.view(n, heads, dim)
+    state: list[torch.Tensor] | None = None
+    for level in own:  # batched over requests: scores [n, Hkv, G, U]
+        scores = torch.matmul(qf, level.k_t)
+        scores = scores.mul_(scale).add_(level.bias[:, None, None, :])
+        state = _merge(state, scores, level.v, None)
+    assert state is not None, "decode_cascade needs an own level"
     for level in shared:
-        u = level.users.numel()
+        rows = level.users
+        u = n if rows is None else rows.numel()
         if u == 0:
             continue
-        qu = qf.view(n, heads, dim)[level.users]
+        qu = qf.view(n, heads, dim) if rows is None else qf.view(n, heads, dim)[rows]
         half = dim // 2
         swapped = torch.cat((qu[..., half:], qu[..., :half]), dim=-1)
         qu = qu * level.cos[:, None, :] + swapped * level.signed_sin[:, None, :]
-        # [Hkv, u·G, D] so that one matmul per KV head covers every reader of the master.
+        # [Hkv, u·G, D]: one product per KV head covers every reader of the master.
         qu = qu.view(u, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, u * group, dim)
-        s = torch.matmul(qu, level.k.transpose(1, 2)) * scale  # [Hkv, u·G, S]
-        s = s.view(kv_heads, u, group, -1) + level.bias[None, :, None, :]
-        m = s.amax(-1)
-        p = torch.exp(s - m[..., None])
-        t = p.sum(-1)
-        a = torch.matmul(p.view(kv_heads, u * group, -1), level.v)  # [Hkv, u·G, D]
-        m = m.transpose(0, 1).reshape(u, heads)
-        t = t.transpose(0, 1).reshape(u, heads)
-        a = a.view(kv_heads, u, group, dim).transpose(0, 1).reshape(u, heads, dim)
-        rows = level.users
-        old_top = top[rows]
-        new_top = torch.maximum(old_top, m)
-        w_old, w_new = torch.exp(old_top - new_top), torch.exp(m - new_top)
-        total[rows] = total[rows] * w_old + t * w_new
-        acc[rows] = acc[rows] * w_old[..., None] + a * w_new[..., None]
-        top[rows] = new_top
-    return acc / total[..., None]
+        scores = torch.matmul(qu, level.k_t).mul_(scale).view(kv_heads, u, group, -1)
+        scores = scores.add_(level.bias[None, :, None, :]).transpose(0, 1)  # [u, Hkv, G, S]
+        state = _merge(state, scores, level.v, rows)
+    top, total, acc = state
+    return (acc / total[..., None]).view(n, heads, dim)
+
+
+def _merge(state: list[torch.Tensor] | None, scores: torch.Tensor, v: torch.Tensor,
+           rows: torch.Tensor | None) -> list[torch.Tensor]:  # fmt: skip
+    """Fold one level (scores [u, Hkv, G, K]; v [u, Hkv, K, D] or shared [Hkv, K, D]) into the
+    running (max [n, Hkv, G], sum [n, Hkv, G], unnormalized output [n, Hkv, G, D])."""
+    top = scores.amax(-1)
+    probs = torch.exp(scores - top[..., None])
+    total = probs.sum(-1)
+    if v.dim() == 3:  # a shared level: [Hkv, u·G, K] @ [Hkv, K, D]
+        u, kv_heads, group, keys = probs.shape
+        flat = probs.transpose(0, 1).reshape(kv_heads, u * group, keys)
+        acc = torch.matmul(flat, v).view(kv_heads, u, group, -1).transpose(0, 1)
+    else:
+        acc = torch.matmul(probs, v)
+    if state is None:
+        return [top, total, acc.contiguous()]
+    old_top, old_total, old_acc = state if rows is None else [t[rows] for t in state]
+    new_top = torch.maximum(old_top, top)
+    w_old, w_new = torch.exp(old_top - new_top), torch.exp(top - new_top)
+    merged = [new_top, old_total * w_old + total * w_new,
+              old_acc * w_old[..., None] + acc * w_new[..., None]]  # fmt: skip
+    if rows is None:
+        return merged
+    for t, m in zip(state, merged, strict=True):
+        t[rows] = m
+    return state

@@ -24,7 +24,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kmesh_blend.attention.decode import MASKED, SharedLevel, decode_cascade, rotation_tables
+from kmesh_blend.attention.decode import (
+    MASKED,
+    OwnLevel,
+    SharedLevel,
+    decode_cascade,
+    rotation_tables,
+)
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout
 
@@ -37,7 +43,7 @@ ReqIds = Callable[[int], "list[str] | None"]
 
 class _Level(NamedTuple):
     master: SharedMaster
-    users: torch.Tensor  # [u] int64 rows of the step's cascade requests
+    users: torch.Tensor | None  # [u] int64 rows of the step's cascade requests; None: all
     cos: torch.Tensor  # [u, D] fp32
     signed_sin: torch.Tensor  # [u, D] fp32
     bias: torch.Tensor  # [L, u, S] fp32
@@ -53,11 +59,18 @@ class _Others(NamedTuple):
     schedule: Any
 
 
+class _Composition(NamedTuple):
+    """What depends only on which plans decode together (kept while the set holds)."""
+
+    own: list[OwnLevel]  # per layer: the prompt rows of each request's own, padded
+    levels: list[_Level]
+
+
 class _Step(NamedTuple):
     tokens: torch.Tensor  # [n] int64 query rows of the cascade requests
-    unique_slots: list[torch.Tensor]  # per layer [n, U] int64 (prompt part, then generated)
-    unique_bias: list[torch.Tensor]  # per layer [n, U] fp32
-    levels: list[_Level]
+    composition: _Composition
+    generated: torch.Tensor  # [n·G] int64 slots of each request's rows after its prompt
+    generated_bias: torch.Tensor  # [n, G] fp32
     others: _Others | None
 
 
@@ -77,7 +90,7 @@ class CascadeDecode:
         self.reports: dict[str, dict[str, Any]] = {}  # req_id → report fields, taken per step
         self._meta: Any = None  # the metadata the cached step was built for (kept alive)
         self._step: _Step | None = None
-        self._composition: tuple[tuple[str, ...], _Step] | None = None
+        self._composition: tuple[tuple[str, ...], _Composition] | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -121,19 +134,20 @@ class CascadeDecode:
         step = self._step
         if step is None:
             return stock(layer, query, key, value, kv_cache, meta, output)
-        impl = layer.impl
         num = meta.num_actual_tokens
         out = output[:num].view(num, self.num_heads, self.head_dim)
-        slots = step.unique_slots[index]
-        k, v = self.layout.read(kv_cache, slots.reshape(-1))
-        shape = (*slots.shape, self.num_kv_heads, self.head_dim)
+        n, width = step.generated_bias.shape
+        k, v = self.layout.read(kv_cache, step.generated)
+        k = k.view(n, width, self.num_kv_heads, self.head_dim).float()
+        v = v.view(n, width, self.num_kv_heads, self.head_dim).float()
+        own = [step.composition.own[index],
+               OwnLevel(k.permute(0, 2, 3, 1), v.transpose(1, 2), step.generated_bias)]  # fmt: skip
         levels = [
-            SharedLevel(lv.master.k[index], lv.master.v[index], lv.users, lv.cos, lv.signed_sin,
-                        lv.bias[index])  # fmt: skip
-            for lv in step.levels
+            SharedLevel(lv.master.k_t[index], lv.master.v[index], lv.users, lv.cos,
+                        lv.signed_sin, lv.bias[index])  # fmt: skip
+            for lv in step.composition.levels
         ]
-        got = decode_cascade(query[step.tokens], k.view(shape), v.view(shape),
-                             step.unique_bias[index], levels, impl.scale)  # fmt: skip
+        got = decode_cascade(query[step.tokens], own, levels, layer.impl.scale)
         out[step.tokens] = got.to(out.dtype)
         if step.others is not None:
             out[step.others.tokens] = _kernel(layer, kv_cache, query[step.others.tokens],
@@ -181,34 +195,32 @@ class CascadeDecode:
             self.reports[plan.req_id] = {"cascade_steps": plan.steps,
                                          "cascade_shared_rows": plan.shared_rows}  # fmt: skip
         rows = [i for i, _ in chosen]
-        base = self._compose([plan for _, plan in chosen])
         tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
-        gen_slots, gen_bias = self._generated(meta, chosen, seq_lens)
+        generated, generated_bias = self._generated(meta, chosen, seq_lens)
         others = [i for i in range(num_reqs) if i not in set(rows)]
         return _Step(
             tokens,
-            [torch.cat((s, gen_slots), dim=1) for s in base.unique_slots],
-            [torch.cat((b, gen_bias), dim=1) for b in base.unique_bias],
-            base.levels,
+            self._compose([plan for _, plan in chosen]),
+            generated.view(-1),
+            generated_bias,
             self._others(meta, layer, dtype, others, starts) if others else None,
         )
 
-    def _compose(self, plans: list[DecodePlan]) -> _Step:
-        """The parts of a step that depend only on which plans decode (kept while it holds)."""
+    def _compose(self, plans: list[DecodePlan]) -> _Composition:
         key = tuple(p.req_id for p in plans)
         if self._composition is not None and self._composition[0] == key:
             return self._composition[1]
-        num_layers = len(self.caches)
-        slots, bias = [], []
-        for layer in range(num_layers):
-            width = max(int(p.unique_slots[layer].numel()) for p in plans)
-            s = torch.zeros(len(plans), width, dtype=torch.int64)
-            b = torch.full((len(plans), width), MASKED)
+        own = []
+        for layer in range(len(self.caches)):
+            width = max(int(p.own_v[layer].shape[1]) for p in plans)
+            k_t = torch.zeros(len(plans), self.num_kv_heads, self.head_dim, width)
+            v = torch.zeros(len(plans), self.num_kv_heads, width, self.head_dim)
+            bias = torch.full((len(plans), width), MASKED)
             for r, p in enumerate(plans):
-                own = p.unique_slots[layer]
-                s[r, : own.numel()], b[r, : own.numel()] = own, 0.0
-            slots.append(s)
-            bias.append(b)
+                rows = p.own_v[layer].shape[1]
+                k_t[r, :, :, :rows], v[r, :, :rows], bias[r, :rows] = (
+                    p.own_k_t[layer], p.own_v[layer], 0.0)  # fmt: skip
+            own.append(OwnLevel(k_t, v, bias))
         readers: dict[str, list[tuple[int, MasterUse, torch.Tensor]]] = {}
         for r, p in enumerate(plans):
             for use, rows in zip(p.uses, p.shared, strict=True):
@@ -219,11 +231,13 @@ class CascadeDecode:
             deltas = torch.tensor([use.start - master.first for _, use, _ in group])
             cos, signed_sin = rotation_tables(deltas, self.rope.inv_freq)
             reads = torch.stack([rows for _, _, rows in group], dim=1)  # [L, u, S]
-            levels.append(_Level(master, torch.tensor([r for r, _, _ in group]), cos, signed_sin,
+            users = [r for r, _, _ in group]
+            index = None if users == list(range(len(plans))) else torch.tensor(users)
+            levels.append(_Level(master, index, cos, signed_sin,
                                  torch.where(reads, 0.0, MASKED)))  # fmt: skip
-        step = _Step(torch.empty(0), slots, bias, levels, None)
-        self._composition = (key, step)
-        return step
+        composition = _Composition(own, levels)
+        self._composition = (key, composition)
+        return composition
 
     def _generated(
         self, meta: Any, chosen: list[tuple[int, DecodePlan]], seq_lens: list[int]

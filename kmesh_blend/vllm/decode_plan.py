@@ -34,10 +34,10 @@ class MasterUse:
 
 @dataclass
 class SharedMaster:
-    """A master in the layout the decode reads: k / v [L, Hkv, S, D] fp32, ``first`` its first
-    stored position; ``users`` how many live plans read it (freed at 0)."""
+    """A master in the layout the decode reads: k_t [L, Hkv, D, S] and v [L, Hkv, S, D] fp32,
+    ``first`` its first stored position; ``users`` how many live plans read it (freed at 0)."""
 
-    k: torch.Tensor
+    k_t: torch.Tensor
     v: torch.Tensor
     first: int
     users: int = 0
@@ -45,7 +45,7 @@ class SharedMaster:
     @classmethod
     def of(cls, master: Any) -> SharedMaster:
         kv = master.kv
-        k = kv[:, 0].float().permute(0, 2, 1, 3).contiguous()
+        k = kv[:, 0].float().permute(0, 2, 3, 1).contiguous()
         v = kv[:, 1].float().permute(0, 2, 1, 3).contiguous()
         return cls(k, v, int(master.positions[0]))
 
@@ -53,8 +53,9 @@ class SharedMaster:
 @dataclass
 class DecodePlan:
     """One request's cascade decode: its prompt blocks, the masters it reads, and (once armed)
-    per use the [L, S] bool rows read from the master and per layer the slots [P_l] int64 of
-    its other prompt rows."""
+    per use the [L, S] bool rows read from the master, and per layer its other prompt rows
+    copied out of its blocks (they never change while it decodes): own_k_t [Hkv, D, P_l] and
+    own_v [Hkv, P_l, D] fp32."""
 
     req_id: str
     block_ids: list[int]
@@ -64,7 +65,8 @@ class DecodePlan:
     steps: int = 0
     shared_rows: int = 0  # prompt rows read from masters, averaged over layers
     shared: list[torch.Tensor] = field(default_factory=list)
-    unique_slots: list[torch.Tensor] = field(default_factory=list)
+    own_k_t: list[torch.Tensor] = field(default_factory=list)
+    own_v: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.blocks = torch.tensor(self.block_ids, dtype=torch.int64)
@@ -102,7 +104,11 @@ class DecodePlan:
         if not bool(reads.any()):
             return "no prompt row equals its master (every reused row was replaced)"
         own = slot_mapping(self.block_ids, block_size, 0, self.num_tokens)
-        self.unique_slots = [own[~reads[layer]] for layer in range(num_layers)]
+        for layer, cache in enumerate(caches):
+            slots = own[~reads[layer]]
+            k, v = layout.read(cache, slots.to(cache.device))
+            self.own_k_t.append(k.cpu().float().permute(1, 2, 0).contiguous())
+            self.own_v.append(v.cpu().float().transpose(0, 1).contiguous())
         self.shared_rows = round(int(reads.sum()) / num_layers)
         self.armed = True
         return None

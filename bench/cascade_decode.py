@@ -1,0 +1,204 @@
+"""Decode-step time of a family in vLLM, cascade decode on vs off, and its cost for the rest.
+
+Workload: SmolLM2-135M-Instruct (bf16 by default; CPU, in-process engine), the chat prompts of
+`follow_up_ttft --model smollm2` (`smollm2_prompts`): a real-text document D of 2,048 tokens
+between each prompt's own system prompt/preamble and question. The first reader stores D's
+master; then a family of 8 follow-ups is added at once (each reuses D at ratio 0.15) and the
+engine is stepped by hand: after every follow-up has its first token, each ``step()`` is one
+decode step of the 8 (greedy, ``ignore_eos``). Engines, one after another in this process
+(vLLM's KV connector is process-global): KMesh with ``kmesh.cascade_decode`` off, on, and stock
+vLLM; the same 8 prompts then run unannotated on the cascade engine and on stock (the cascade
+path must leave them alone).
+
+value = median decode-step time, cascade on / off (goal ≤ 0.75).
+config.unannotated_vs_stock = median decode-step time of the 8 unannotated prompts on the cascade
+engine / on stock vLLM (goal ≤ 1.03).
+config.bytes_model: KV bytes read per decode step (all layers), off = Σ_r context_r rows; on =
+one read of D's master + Σ_r (context_r − rows it reads from the master), at the KV dtype
+(a GPU's bandwidth figure; this CPU path holds the master in fp32, twice that), next to the
+weights' bytes.
+
+Run: python bench/cascade_decode.py [--quick] [--dtype bfloat16|float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, plot_bars, use_allocator
+from follow_up_ttft import smollm2_prompts
+
+from kmesh_blend.testing import SMOLLM2
+from kmesh_blend.testing.engine import kv_transfer_config, make_llm
+
+RATIO = 0.15
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--family", type=int, default=8)
+    args = parser.parse_args()
+    allocator = use_allocator("tcmalloc")
+    doc_len = 512 if args.quick else 2048
+    decode_steps = 8 if args.quick else 24
+    path, prompts, details = smollm2_prompts(doc_len, args.family + 1)
+    reader, family = prompts[0], prompts[1:]
+    common = {"max_model_len": 4096, "max_num_batched_tokens": 4096, "dtype": args.dtype,
+              "max_num_seqs": 16}  # fmt: skip
+
+    steps: dict[str, list[float]] = {}
+    reports: list[dict[str, Any]] = []
+    new_tokens = decode_steps + 1
+
+    def engine(cascade: bool | None) -> None:
+        """One engine's share: KMesh (cascade on/off: the family, and on: unannotated too) or
+        stock (None: unannotated)."""
+        if cascade is None:
+            llm = make_llm(path, **common)
+            steps["plain_stock"], _ = _run(llm, family, annotate=False, new_tokens=new_tokens)
+        else:
+            llm = make_llm(path, kv_transfer_config=kv_transfer_config(
+                cascade_decode=cascade, recompute_ratio=RATIO), **common)  # fmt: skip
+            _run(llm, [reader], annotate=True, new_tokens=1)
+            label = "on" if cascade else "off"
+            steps[label], outs = _run(llm, family, annotate=True, new_tokens=new_tokens)
+            if cascade:
+                reports[:] = [o.kv_transfer_params["kmesh"] for o in outs]
+                steps["plain_on"], _ = _run(llm, family, annotate=False, new_tokens=new_tokens)
+        del llm
+        gc.collect()
+
+    for cascade in (False, True, None):
+        engine(cascade)
+
+    med = {k: statistics.median(v) for k, v in steps.items()}
+    value = med["on"] / med["off"]
+    plain = med["plain_on"] / med["plain_stock"]
+    fell_back = [r.get("fallback") or r.get("cascade_off") for r in reports]
+    cascaded = [int(r.get("cascade_steps", 0)) for r in reports]
+    model = _bytes_model(path, args.dtype, family, reports, doc_len, decode_steps)
+    for k, v in med.items():
+        print(f"{k:12s} median decode step {v * 1e3:8.2f} ms  ({len(family) / v:7.1f} tok/s)")
+    print(f"cascade on / off = {value:.3f}   unannotated cascade-engine / stock = {plain:.3f}")
+    print(f"bytes per step: off {model['off_MiB']:.1f} MiB, on {model['on_MiB']:.1f} MiB "
+          f"({model['ratio']:.3f}x), weights {model['weights_MiB']:.1f} MiB")  # fmt: skip
+    if any(fell_back) or min(cascaded) < decode_steps - 1:
+        raise SystemExit(f"a follow-up did not decode in cascade: {reports}")
+    plot_bars(
+        "cascade_decode",
+        ["family, cascade off", "family, cascade on", "unannotated, stock", "unannotated, ours"],
+        [med["off"], med["on"], med["plain_stock"], med["plain_on"]],
+        f"{SMOLLM2}: decode step of {len(family)} requests over a {doc_len}-token document",
+    )
+    emit(
+        {
+            "name": "cascade_decode",
+            "metric": "decode-step time of the family, cascade on / off",
+            "value": round(value, 4),
+            "unit": "x",
+            "goal": 0.75,
+            "baseline": "the same engine settings with kmesh.cascade_decode off",
+            "quick": args.quick,
+            "config": {
+                "model": SMOLLM2,
+                "dtype": args.dtype,
+                "allocator": allocator,
+                "family": len(family),
+                "document_tokens": doc_len,
+                "recompute_ratio": RATIO,
+                "decode_steps_timed": decode_steps,
+                "median_step_ms": {k: round(v * 1e3, 3) for k, v in med.items()},
+                "family_tokens_per_s": {k: round(len(family) / v, 2) for k, v in med.items()},
+                "unannotated_vs_stock": round(plain, 4),
+                "unannotated_goal": 1.03,
+                "cascade_steps": cascaded,
+                "shared_rows": [int(r.get("cascade_shared_rows", 0)) for r in reports],
+                "bytes_model": model,
+                **details,
+            },
+        }
+    )
+
+
+def _run(llm: Any, prompts: list[Any], annotate: bool,
+         new_tokens: int) -> tuple[list[float], list[Any]]:  # fmt: skip
+    """Add ``prompts`` at once and step the engine to the end; the durations of the steps in
+    which every request was decoding (each had its first token), and the final outputs."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    ids = []
+    for i, (tokens, spans) in enumerate(prompts):
+        extra = {"kv_transfer_params": {"kmesh": {"segments": spans}}} if annotate else None
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                                extra_args=extra)  # fmt: skip
+        req_id = f"{'a' if annotate else 'p'}{time.monotonic_ns()}-{i}"
+        engine.add_request(req_id, {"prompt_token_ids": tokens}, params)
+        ids.append(req_id)
+    started: set[str] = set()
+    finished: dict[str, Any] = {}
+    durations = []
+    while engine.has_unfinished_requests():
+        decoding = len(started) == len(ids)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        if decoding and len(finished) == 0:
+            durations.append(dt)
+        for out in outs:
+            if out.outputs and out.outputs[0].token_ids:
+                started.add(out.request_id)
+            if out.finished:
+                finished[out.request_id] = out
+    return durations, [finished[i] for i in ids]
+
+
+def _bytes_model(path: Path, dtype: str, family: list[Any], reports: list[dict[str, Any]],
+                 doc_len: int, steps: int) -> dict[str, Any]:  # fmt: skip
+    """KV bytes read by one decode step in the middle of the timed steps, and the weights'."""
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    layers, kv_heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    width = 2 if dtype == "bfloat16" else 4
+    row = layers * kv_heads * head_dim * 2 * width  # K and V of one token, all layers
+    contexts = [len(tokens) + steps // 2 for tokens, _ in family]
+    shared = [int(r.get("cascade_shared_rows", 0)) for r in reports]
+    off = sum(contexts) * row
+    on = (doc_len + sum(c - s for c, s in zip(contexts, shared, strict=True))) * row
+    from safetensors import safe_open
+
+    weights = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                t = f.get_slice(name)
+                weights += _numel(t.get_shape()) * width
+    mib = 1 << 20
+    return {"off_MiB": off / mib, "on_MiB": on / mib, "ratio": on / off,
+            "weights_MiB": weights / mib, "row_bytes": row}  # fmt: skip
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+if __name__ == "__main__":
+    main()
