@@ -18,38 +18,30 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MASKED", "OwnLevel", "SharedLevel", "decode_cascade", "rotation_tables"]
+__all__ = ["MASKED", "MasterRows", "OwnRows", "decode_cascade", "rotation_tables"]
 
-# Additive score bias of a masked key. Finite, so a level whose keys are all masked for a query
-# yields a finite state whose merge weight underflows to exactly 0 (−inf would give 0/0).
+# Additive score bias of a masked key (a padding row, or a master row a request does not read).
+# Finite, so that a row masked everywhere gives exp(−1e30 − max) = 0, never 0/0.
 MASKED = -1.0e30
 
 
-class OwnLevel(NamedTuple):
-    """Rows of each request's own, padded to U: k_t [n, Hkv, D, U] fp32 (keys, transposed for
-    the score product), v [n, Hkv, U, D] fp32, bias [n, U] fp32 (0 real row, `MASKED` pad)."""
+class OwnRows(NamedTuple):
+    """Each request's own rows, padded to U: k_t [n, Hkv, D, U] fp32 (keys, transposed for the
+    score product) and v [n, Hkv, U, D] fp32."""
 
     k_t: torch.Tensor
     v: torch.Tensor
-    bias: torch.Tensor
 
 
-class SharedLevel(NamedTuple):
-    """One shared master and the rows of this step's queries that read it.
-
-    k_t: [Hkv, D, S] fp32 (keys rotated at the master's positions, transposed); v: [Hkv, S, D]
-    fp32. users: [u] int64 rows of the step's queries, or None for all n in order. cos /
-    signed_sin: [u, D] fp32, the rotation by −Δ of each user (`rotation_tables`). bias: [u, S]
-    fp32, 0 where the user reads the master row, `MASKED` where its own copy differs (those rows
-    are in its own level).
-    """
+class MasterRows(NamedTuple):
+    """A shared master: k_t [Hkv, D, S] fp32 (keys rotated at the master's positions,
+    transposed), v [Hkv, S, D] fp32, and per request the rotation of its query by −Δ
+    (`rotation_tables`): cos / signed_sin [n, D] fp32."""
 
     k_t: torch.Tensor
     v: torch.Tensor
-    users: torch.Tensor | None
     cos: torch.Tensor
     signed_sin: torch.Tensor
-    bias: torch.Tensor
 
 
 def rotation_tables(deltas: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -61,65 +53,39 @@ def rotation_tables(deltas: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return cos, torch.cat((-sin, sin), dim=-1)
 
 
-def decode_cascade(
-    q: torch.Tensor, own: Sequence[OwnLevel], shared: Sequence[SharedLevel], scale: float
-) -> torch.Tensor:
+def decode_cascade(q: torch.Tensor, own: OwnRows, masters: Sequence[MasterRows],
+                   bias: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
     """Attention of one decode query per request over its own rows and the shared masters.
 
-    q: [n, H, D] (rotated at each request's position), any float dtype; ``own``: at least one
-    level. Returns [n, H, D] fp32, equal to softmax attention over each request's materialized
-    context (the start-up self-check bounds the difference to vLLM's kernel).
+    q: [n, H, D] (rotated at each request's position), any float dtype. bias: [n, U + ΣS] fp32
+    over the keys in order (own rows, then each master's): 0 where the request reads the row,
+    `MASKED` where not (padding; a master row its own copy replaced, or a master it does not
+    read). Each master's K/V are read once for all n queries: one product per KV head covers
+    them all. Returns [n, H, D] fp32: softmax attention over each request's materialized
+    context, summed in another order (the start-up self-check bounds the difference to vLLM's
+    kernel).
     """
     n, heads, dim = q.shape
-    kv_heads = own[0].k_t.shape[1]
+    kv_heads, _, width = own.k_t.shape[1:]
     group = heads // kv_heads
     qf = q.float().view(n, kv_heads, group, dim)
-    state: list[torch.Tensor] | None = None
-    for level in own:  # batched over requests: scores [n, Hkv, G, U]
-        scores = torch.matmul(qf, level.k_t)
-        scores = scores.mul_(scale).add_(level.bias[:, None, None, :])
-        state = _merge(state, scores, level.v, None)
-    assert state is not None, "decode_cascade needs an own level"
-    for level in shared:
-        rows = level.users
-        u = n if rows is None else rows.numel()
-        if u == 0:
-            continue
-        qu = qf.view(n, heads, dim) if rows is None else qf.view(n, heads, dim)[rows]
-        half = dim // 2
-        swapped = torch.cat((qu[..., half:], qu[..., :half]), dim=-1)
-        qu = qu * level.cos[:, None, :] + swapped * level.signed_sin[:, None, :]
-        # [Hkv, u·G, D]: one product per KV head covers every reader of the master.
-        qu = qu.view(u, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, u * group, dim)
-        scores = torch.matmul(qu, level.k_t).mul_(scale).view(kv_heads, u, group, -1)
-        scores = scores.add_(level.bias[None, :, None, :]).transpose(0, 1)  # [u, Hkv, G, S]
-        state = _merge(state, scores, level.v, rows)
-    top, total, acc = state
-    return (acc / total[..., None]).view(n, heads, dim)
-
-
-def _merge(state: list[torch.Tensor] | None, scores: torch.Tensor, v: torch.Tensor,
-           rows: torch.Tensor | None) -> list[torch.Tensor]:  # fmt: skip
-    """Fold one level (scores [u, Hkv, G, K]; v [u, Hkv, K, D] or shared [Hkv, K, D]) into the
-    running (max [n, Hkv, G], sum [n, Hkv, G], unnormalized output [n, Hkv, G, D])."""
-    top = scores.amax(-1)
-    probs = torch.exp(scores - top[..., None])
-    total = probs.sum(-1)
-    if v.dim() == 3:  # a shared level: [Hkv, u·G, K] @ [Hkv, K, D]
-        u, kv_heads, group, keys = probs.shape
-        flat = probs.transpose(0, 1).reshape(kv_heads, u * group, keys)
-        acc = torch.matmul(flat, v).view(kv_heads, u, group, -1).transpose(0, 1)
-    else:
-        acc = torch.matmul(probs, v)
-    if state is None:
-        return [top, total, acc.contiguous()]
-    old_top, old_total, old_acc = state if rows is None else [t[rows] for t in state]
-    new_top = torch.maximum(old_top, top)
-    w_old, w_new = torch.exp(old_top - new_top), torch.exp(top - new_top)
-    merged = [new_top, old_total * w_old + total * w_new,
-              old_acc * w_old[..., None] + acc * w_new[..., None]]  # fmt: skip
-    if rows is None:
-        return merged
-    for t, m in zip(state, merged, strict=True):
-        t[rows] = m
-    return state
+    parts = [torch.bmm(qf.reshape(n * kv_heads, group, dim),
+                       own.k_t.reshape(n * kv_heads, dim, width)).view(n, kv_heads, group, width)]  # fmt: skip
+    flat_q = qf.view(n, heads, dim)
+    half = dim // 2
+    swapped = torch.cat((flat_q[..., half:], flat_q[..., :half]), dim=-1)
+    for m in masters:
+        qm = flat_q * m.cos[:, None, :] + swapped * m.signed_sin[:, None, :]
+        qm = qm.view(n, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, n * group, dim)
+        parts.append(torch.bmm(qm, m.k_t).view(kv_heads, n, group, -1).transpose(0, 1))
+    scores = torch.cat(parts, dim=-1).mul_(scale).add_(bias[:, None, None, :])
+    probs = torch.softmax(scores, dim=-1)  # [n, Hkv, G, U + ΣS]
+    out = torch.bmm(probs[..., :width].reshape(n * kv_heads, group, width),
+                    own.v.reshape(n * kv_heads, width, dim)).view(n, kv_heads, group, dim)  # fmt: skip
+    start = width
+    for m in masters:
+        size = m.k_t.shape[-1]
+        p = probs[..., start : start + size].transpose(0, 1).reshape(kv_heads, n * group, size)
+        out += torch.bmm(p, m.v).view(kv_heads, n, group, dim).transpose(0, 1)
+        start += size
+    return out.view(n, heads, dim)

@@ -19,6 +19,7 @@ disagree, nothing is installed and the reason is logged once.
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,8 +27,8 @@ import torch
 
 from kmesh_blend.attention.decode import (
     MASKED,
-    OwnLevel,
-    SharedLevel,
+    MasterRows,
+    OwnRows,
     decode_cascade,
     rotation_tables,
 )
@@ -41,14 +42,6 @@ log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 ReqIds = Callable[[int], "list[str] | None"]
 
 
-class _Level(NamedTuple):
-    master: SharedMaster
-    users: torch.Tensor | None  # [u] int64 rows of the step's cascade requests; None: all
-    cos: torch.Tensor  # [u, D] fp32
-    signed_sin: torch.Tensor  # [u, D] fp32
-    bias: torch.Tensor  # [L, u, S] fp32
-
-
 class _Others(NamedTuple):
     """vLLM kernel inputs for the step's other requests (a sub-batch)."""
 
@@ -59,18 +52,31 @@ class _Others(NamedTuple):
     schedule: Any
 
 
-class _Composition(NamedTuple):
-    """What depends only on which plans decode together (kept while the set holds)."""
+class _Layer(NamedTuple):
+    """One layer's buffers of a set of plans decoding together (n requests).
 
-    own: list[OwnLevel]  # per layer: the prompt rows of each request's own, padded
-    levels: list[_Level]
+    own: each request's own rows — prompt rows it does not read from a master, then its
+    generated rows — fp32, k_t [n, Hkv, D, C] and v [n, Hkv, C, D]; ``first_free`` [n] int64:
+    where request r's generated rows start. bias: [n, C + ΣS] fp32 over own rows then masters.
+    """
+
+    own: OwnRows
+    first_free: torch.Tensor
+    bias: torch.Tensor
+
+
+class _Composition(NamedTuple):
+    key: tuple[str, ...]
+    layers: list[_Layer]
+    masters: list[tuple[SharedMaster, torch.Tensor, torch.Tensor]]  # with cos, signed_sin [n, D]
+    filled: list[int]  # generated rows in the buffers, per request (all layers)
+    capacity: int  # own columns C − the widest prompt part: room for generated rows
 
 
 class _Step(NamedTuple):
     tokens: torch.Tensor  # [n] int64 query rows of the cascade requests
     composition: _Composition
-    generated: torch.Tensor  # [n·G] int64 slots of each request's rows after its prompt
-    generated_bias: torch.Tensor  # [n, G] fp32
+    generated: torch.Tensor  # [n] int64: generated rows before this step's token
     others: _Others | None
 
 
@@ -90,7 +96,8 @@ class CascadeDecode:
         self.reports: dict[str, dict[str, Any]] = {}  # req_id → report fields, taken per step
         self._meta: Any = None  # the metadata the cached step was built for (kept alive)
         self._step: _Step | None = None
-        self._composition: tuple[tuple[str, ...], _Composition] | None = None
+        self._composition: _Composition | None = None
+        self.broken: str | None = None  # set by an error inside the path: vLLM's forward only
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -129,30 +136,53 @@ class CascadeDecode:
                 kv_cache: torch.Tensor, meta: Any, output: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """Attention of layer ``index``; ``stock`` is vLLM's own forward of the same impl."""
         if meta is not self._meta:
-            self._meta = meta
-            self._step = self._build(meta, layer, query.dtype) if self.plans else None
+            self._meta, self._step = meta, None
+            if self.plans and self.broken is None:
+                try:
+                    self._step = self._build(meta, layer, query.dtype)
+                except Exception as exc:
+                    self._break(exc)
         step = self._step
         if step is None:
             return stock(layer, query, key, value, kv_cache, meta, output)
+        try:
+            got = self._attend(index, step, layer, query, key, value)
+            others = None
+            if step.others is not None:
+                others = _kernel(layer, kv_cache, query[step.others.tokens], step.others,
+                                 meta.causal)  # fmt: skip
+        except Exception as exc:  # never serve doubtful KV: this and later steps run stock
+            self._break(exc)
+            self._step = None
+            return stock(layer, query, key, value, kv_cache, meta, output)
         num = meta.num_actual_tokens
         out = output[:num].view(num, self.num_heads, self.head_dim)
-        n, width = step.generated_bias.shape
-        k, v = self.layout.read(kv_cache, step.generated)
-        k = k.view(n, width, self.num_kv_heads, self.head_dim).float()
-        v = v.view(n, width, self.num_kv_heads, self.head_dim).float()
-        own = [step.composition.own[index],
-               OwnLevel(k.permute(0, 2, 3, 1), v.transpose(1, 2), step.generated_bias)]  # fmt: skip
-        levels = [
-            SharedLevel(lv.master.k_t[index], lv.master.v[index], lv.users, lv.cos,
-                        lv.signed_sin, lv.bias[index])  # fmt: skip
-            for lv in step.composition.levels
-        ]
-        got = decode_cascade(query[step.tokens], own, levels, layer.impl.scale)
         out[step.tokens] = got.to(out.dtype)
-        if step.others is not None:
-            out[step.others.tokens] = _kernel(layer, kv_cache, query[step.others.tokens],
-                                              step.others, meta.causal)  # fmt: skip
+        if others is not None:
+            out[step.others.tokens] = others
         return output
+
+    def _attend(self, index: int, step: _Step, layer: Any, query: torch.Tensor,
+                key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """This step's token of every cascade request joins its own rows, then attends."""
+        buffers = step.composition.layers[index]
+        rows = torch.arange(step.tokens.numel())
+        cols = buffers.first_free + step.generated
+        shape = (rows.numel(), self.num_kv_heads, self.head_dim)
+        buffers.own.k_t[rows, :, :, cols] = key[step.tokens].reshape(shape).float()
+        buffers.own.v[rows, :, cols] = value[step.tokens].reshape(shape).float()
+        buffers.bias[rows, cols] = 0.0
+        masters = [MasterRows(m.k_t[index], m.v[index], cos, sin)
+                   for m, cos, sin in step.composition.masters]  # fmt: skip
+        return decode_cascade(query[step.tokens], buffers.own, masters, buffers.bias,
+                              layer.impl.scale)  # fmt: skip
+
+    def _break(self, exc: Exception) -> None:
+        self.broken = f"{type(exc).__name__}: {exc}"
+        log.warning("kmesh: cascade decode failed, vLLM's forward serves from now on: %s\n%s",
+                    self.broken, traceback.format_exc())  # fmt: skip
+        for req_id in list(self.plans):
+            self.drop(req_id, f"cascade decode failed: {self.broken}")
 
     # --- per-step plan --------------------------------------------------------------------------
 
@@ -195,64 +225,65 @@ class CascadeDecode:
             self.reports[plan.req_id] = {"cascade_steps": plan.steps,
                                          "cascade_shared_rows": plan.shared_rows}  # fmt: skip
         rows = [i for i, _ in chosen]
-        tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
-        generated, generated_bias = self._generated(meta, chosen, seq_lens)
+        generated = [seq_lens[i] - 1 - plan.num_tokens for i, plan in chosen]
+        composition = self._compose(meta, chosen, generated)
+        self._composition = composition._replace(filled=[g + 1 for g in generated])
         others = [i for i in range(num_reqs) if i not in set(rows)]
         return _Step(
-            tokens,
-            self._compose([plan for _, plan in chosen]),
-            generated.view(-1),
-            generated_bias,
+            torch.tensor([starts[i] for i in rows], dtype=torch.int64),
+            self._composition,
+            torch.tensor(generated, dtype=torch.int64),
             self._others(meta, layer, dtype, others, starts) if others else None,
         )
 
-    def _compose(self, plans: list[DecodePlan]) -> _Composition:
-        key = tuple(p.req_id for p in plans)
-        if self._composition is not None and self._composition[0] == key:
-            return self._composition[1]
-        own = []
-        for layer in range(len(self.caches)):
-            width = max(int(p.own_v[layer].shape[1]) for p in plans)
-            k_t = torch.zeros(len(plans), self.num_kv_heads, self.head_dim, width)
-            v = torch.zeros(len(plans), self.num_kv_heads, width, self.head_dim)
-            bias = torch.full((len(plans), width), MASKED)
-            for r, p in enumerate(plans):
-                rows = p.own_v[layer].shape[1]
-                k_t[r, :, :, :rows], v[r, :, :rows], bias[r, :rows] = (
-                    p.own_k_t[layer], p.own_v[layer], 0.0)  # fmt: skip
-            own.append(OwnLevel(k_t, v, bias))
+    def _compose(self, meta: Any, chosen: list[tuple[int, DecodePlan]],
+                 generated: list[int]) -> _Composition:  # fmt: skip
+        """The buffers of this set of plans: kept from the last step while the set is the same
+        and each request has exactly one row more; else built from the paged cache."""
+        key = tuple(plan.req_id for _, plan in chosen)
+        last = self._composition
+        if (last is not None and last.key == key and last.filled == generated
+                and max(generated) < last.capacity):  # fmt: skip
+            return last
+        n, block_size = len(chosen), self.layout.block_size
+        capacity = max(generated) + 64
         readers: dict[str, list[tuple[int, MasterUse, torch.Tensor]]] = {}
-        for r, p in enumerate(plans):
-            for use, rows in zip(p.uses, p.shared, strict=True):
+        for r, (_, plan) in enumerate(chosen):
+            for use, rows in zip(plan.uses, plan.shared, strict=True):
                 readers.setdefault(use.key, []).append((r, use, rows))
-        levels = []
+        masters = []
         for master_key, group in readers.items():
             master = self.masters[master_key]
-            deltas = torch.tensor([use.start - master.first for _, use, _ in group])
+            deltas = torch.zeros(n, dtype=torch.int64)
+            for r, use, _ in group:
+                deltas[r] = use.start - master.first
             cos, signed_sin = rotation_tables(deltas, self.rope.inv_freq)
-            reads = torch.stack([rows for _, _, rows in group], dim=1)  # [L, u, S]
-            users = [r for r, _, _ in group]
-            index = None if users == list(range(len(plans))) else torch.tensor(users)
-            levels.append(_Level(master, index, cos, signed_sin,
-                                 torch.where(reads, 0.0, MASKED)))  # fmt: skip
-        composition = _Composition(own, levels)
-        self._composition = (key, composition)
-        return composition
-
-    def _generated(
-        self, meta: Any, chosen: list[tuple[int, DecodePlan]], seq_lens: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [n, G] int64 and bias [n, G] fp32 of each request's rows after its prompt."""
-        block_size = self.layout.block_size
-        width = max(seq_lens[i] - p.num_tokens for i, p in chosen)
-        slots = torch.zeros(len(chosen), width, dtype=torch.int64)
-        bias = torch.full((len(chosen), width), MASKED)
-        for r, (i, plan) in enumerate(chosen):
-            pos = torch.arange(plan.num_tokens, seq_lens[i])
-            blocks = meta.block_table[i].to(torch.int64)[pos // block_size]
-            slots[r, : pos.numel()] = blocks * block_size + pos % block_size
-            bias[r, : pos.numel()] = 0.0
-        return slots, bias
+            masters.append((master, cos, signed_sin, group))
+        layers = []
+        for layer, cache in enumerate(self.caches):
+            prompt = [plan.own_slots[layer] for _, plan in chosen]
+            width = max(int(p.numel()) for p in prompt) + capacity
+            k_t = torch.zeros(n, self.num_kv_heads, self.head_dim, width)
+            v = torch.zeros(n, self.num_kv_heads, width, self.head_dim)
+            parts = [torch.full((n, width), MASKED)]
+            for r, ((i, plan), own) in enumerate(zip(chosen, prompt, strict=True)):
+                pos = torch.arange(plan.num_tokens, plan.num_tokens + generated[r])
+                blocks = meta.block_table[i].to(torch.int64)[pos // block_size]
+                slots = torch.cat((own, blocks * block_size + pos % block_size))
+                rk, rv = self.layout.read(cache, slots.to(cache.device))
+                k_t[r, :, :, : slots.numel()] = rk.float().permute(1, 2, 0)
+                v[r, :, : slots.numel()] = rv.float().transpose(0, 1)
+                parts[0][r, : slots.numel()] = 0.0
+            for master, _, _, group in masters:
+                reads = torch.full((n, master.v.shape[2]), MASKED)
+                for r, _, rows in group:
+                    reads[r] = torch.where(rows[layer], 0.0, MASKED)
+                parts.append(reads)
+            first_free = torch.tensor([int(p.numel()) for p in prompt], dtype=torch.int64)
+            layers.append(_Layer(OwnRows(k_t, v), first_free, torch.cat(parts, dim=1)))
+        capacity_left = capacity  # generated rows that fit after every request's prompt part
+        return _Composition(key, layers, [(m, c, s) for m, c, s, _ in masters], list(generated),
+                            capacity_left)  # fmt: skip
 
     def _others(self, meta: Any, layer: Any, dtype: torch.dtype, rows: list[int],
                 starts: list[int]) -> _Others:  # fmt: skip

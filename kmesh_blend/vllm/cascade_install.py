@@ -121,6 +121,7 @@ def _scratch_run(layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any
     shapes = [(3, size + 7, 3), (bs + 1, size + bs + 4, 1), (0, 2 * bs - 1, 0)]
     blocks = [[0, 4, 2], [3, 6, 1, 7], [5, 8]]
     scratch = cache.new_zeros((9, *cache.shape[1:]))
+    keys, values = [], []  # the K/V rows of each request's tokens in this step
     for r, (offset, prompt, extra) in enumerate(shapes):
         total = prompt + extra
         k = rope.apply(rand(total, num_kv_heads, head_dim), torch.arange(total))
@@ -132,6 +133,9 @@ def _scratch_run(layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any
             v[offset : offset + size][keep] = master_v.to(dtype).float()[keep]
         slots = slot_mapping(blocks[r], bs, 0, total)
         layer.impl.do_kv_cache_update(layer, k.to(dtype), v.to(dtype), scratch, slots)
+        now = 1 if r < 2 else 4
+        keys.append(k[total - now :].to(dtype))
+        values.append(v[total - now :].to(dtype))
     seq_lens = torch.tensor([p + e for _, p, e in shapes], dtype=torch.int32)
     query_start_loc = torch.tensor([0, 1, 2, 6], dtype=torch.int32)
     table = torch.tensor([b + [0] * (4 - len(b)) for b in blocks], dtype=torch.int32)
@@ -155,13 +159,13 @@ def _scratch_run(layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any
     def stock_forward(*args: Any) -> torch.Tensor:
         return stock(layer.impl, *args)
 
-    empty = query.new_empty(0)
-    want = stock_forward(layer, query, empty, empty, scratch, meta, torch.zeros_like(query))
+    key, value = torch.cat(keys), torch.cat(values)
+    want = stock_forward(layer, query, key, value, scratch, meta, torch.zeros_like(query))
     decode = CascadeDecode([layer], [scratch], layout, rope, num_heads, num_kv_heads, head_dim,
                            lambda n: ["a", "b", "c"][:n])  # fmt: skip
     for name, (offset, prompt, _), ids in zip("ab", shapes, blocks, strict=False):
         decode.add(name, ids, prompt, [MasterUse("m", offset, offset + size, master)])
-    got = decode.forward(0, stock_forward, layer, query, empty, empty, scratch, meta,
+    got = decode.forward(0, stock_forward, layer, query, key, value, scratch, meta,
                          torch.zeros_like(query))  # fmt: skip
     if decode.reports.get("a", {}).get("cascade_steps") != 1:
         raise RuntimeError(f"the scratch requests did not decode in cascade: {decode.reports}")

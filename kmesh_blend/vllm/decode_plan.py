@@ -53,9 +53,8 @@ class SharedMaster:
 @dataclass
 class DecodePlan:
     """One request's cascade decode: its prompt blocks, the masters it reads, and (once armed)
-    per use the [L, S] bool rows read from the master, and per layer its other prompt rows
-    copied out of its blocks (they never change while it decodes): own_k_t [Hkv, D, P_l] and
-    own_v [Hkv, P_l, D] fp32."""
+    per use the [L, S] bool rows read from the master, and per layer the slots [P_l] int64 of
+    its other prompt rows."""
 
     req_id: str
     block_ids: list[int]
@@ -65,8 +64,7 @@ class DecodePlan:
     steps: int = 0
     shared_rows: int = 0  # prompt rows read from masters, averaged over layers
     shared: list[torch.Tensor] = field(default_factory=list)
-    own_k_t: list[torch.Tensor] = field(default_factory=list)
-    own_v: list[torch.Tensor] = field(default_factory=list)
+    own_slots: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.blocks = torch.tensor(self.block_ids, dtype=torch.int64)
@@ -104,11 +102,7 @@ class DecodePlan:
         if not bool(reads.any()):
             return "no prompt row equals its master (every reused row was replaced)"
         own = slot_mapping(self.block_ids, block_size, 0, self.num_tokens)
-        for layer, cache in enumerate(caches):
-            slots = own[~reads[layer]]
-            k, v = layout.read(cache, slots.to(cache.device))
-            self.own_k_t.append(k.cpu().float().permute(1, 2, 0).contiguous())
-            self.own_v.append(v.cpu().float().transpose(0, 1).contiguous())
+        self.own_slots = [own[~reads[layer]] for layer in range(num_layers)]
         self.shared_rows = round(int(reads.sum()) / num_layers)
         self.armed = True
         return None
