@@ -105,7 +105,9 @@ class CascadeDecode:
             uses: list[MasterUse]) -> None:  # fmt: skip
         """A request blended this step; its plan is armed at its first decode step."""
         self.drop(req_id)
-        if uses:
+        if self.broken is not None:
+            self.reports[req_id] = {"cascade_off": f"cascade decode failed: {self.broken}"}
+        elif uses:
             self.plans[req_id] = DecodePlan(req_id, list(block_ids), num_tokens, uses)
             self.reports[req_id] = {"cascade_steps": 0}
 

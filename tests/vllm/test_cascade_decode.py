@@ -1,0 +1,174 @@
+"""Cascade decode in vLLM's served path (``kmesh.cascade_decode``): families of 1, 4 and 8 that
+read one stored document decode to the same greedy tokens as the same engine with the setting
+off, on the tiny test model and on SmolLM2-135M-Instruct (fp32), with log-probabilities within
+1e-4; an unannotated request decoding in the same steps goes through vLLM's kernel unchanged.
+The report says how many decode steps ran in cascade; anything that stops the path names why.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kmesh_blend.testing import TINY_LLAMA, build_checkpoint, smollm2_checkpoint
+from kmesh_blend.testing.engine import kv_transfer_config, make_llm
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 12
+FAMILIES = (1, 4, 8)
+FP32_LOGPROB_BOUND = 1e-4
+Result = tuple[list[int], list[float], dict[str, Any] | None]
+
+
+def _prompts(model: str, doc_len: int) -> list[tuple[list[int], list[list[int]]]]:
+    """A first reader, then 1 + 4 + 8 follow-ups: own tokens, the document, own question."""
+    gen = torch.Generator().manual_seed(0)
+    if model == "tiny":
+        vocab = TINY_LLAMA.vocab_size
+
+        def text(n: int) -> list[int]:
+            return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+        doc = text(doc_len)
+    else:
+        from transformers import AutoTokenizer
+
+        from kmesh_blend.testing.text import reference_text
+
+        tok = AutoTokenizer.from_pretrained(smollm2_checkpoint())
+        words = list(tok(reference_text(), add_special_tokens=False)["input_ids"])
+        doc = words[:doc_len]
+        rest = words[doc_len:]
+
+        def text(n: int) -> list[int]:
+            start = int(torch.randint(0, len(rest) - n, (1,), generator=gen))
+            return rest[start : start + n]
+
+    out = []
+    for i in range(1 + sum(FAMILIES)):
+        head, question = text(9 + 3 * i), text(6 + i % 5)
+        out.append((head + doc + question, [[len(head), len(head) + doc_len]]))
+    return out
+
+
+def _params(spans: list[list[int]] | None) -> Any:
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": {"kmesh": {"segments": spans}}} if spans is not None else None
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True,
+                          extra_args=extra)  # fmt: skip
+
+
+def _result(o: Any) -> Result:
+    tokens = list(o.outputs[0].token_ids)
+    logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, o.outputs[0].logprobs, strict=True)]
+    return tokens, logprobs, (o.kv_transfer_params or {}).get("kmesh")
+
+
+def _serve(path: Path, dtype: str, model: str, doc_len: int, **kmesh: Any) -> list[Result]:
+    """The reader, then each family in one batch; the family of 4 decodes beside an
+    unannotated prompt. Results: the families' follow-ups in order, then the unannotated one."""
+    family = _prompts(model, doc_len)
+    plain = family[2][0][:-3]  # a prompt no annotation covers
+    llm = make_llm(path, dtype=dtype, enable_prefix_caching=False,
+                   kv_transfer_config=kv_transfer_config(**kmesh))  # fmt: skip
+    try:
+        llm.generate([{"prompt_token_ids": family[0][0]}], _params(family[0][1]), use_tqdm=False)
+        out: list[Result] = []
+        start, tail = 1, None
+        for size in FAMILIES:
+            items = family[start : start + size]
+            start += size
+            prompts = [{"prompt_token_ids": ids} for ids, _ in items]
+            params = [_params(spans) for _, spans in items]
+            if size == 4:
+                prompts.append({"prompt_token_ids": plain})
+                params.append(_params(None))
+            outs = [_result(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+            if size == 4:
+                tail = outs.pop()
+            out += outs
+        assert tail is not None
+        return [*out, tail]
+    finally:
+        del llm
+        gc.collect()
+
+
+MODELS: dict[str, tuple[Callable[[], Path], int]] = {
+    "tiny": (lambda: build_checkpoint(TINY_LLAMA), 300),
+    "smollm2": (smollm2_checkpoint, 256),
+}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_families_decode_in_cascade_to_the_same_tokens(model: str) -> None:
+    checkpoint, doc_len = MODELS[model]
+    path = checkpoint()
+    off = _serve(path, "float32", model, doc_len, cascade_decode=False)
+    on = _serve(path, "float32", model, doc_len, cascade_decode=True)
+    assert len(on) == sum(FAMILIES) + 1
+    for (tokens_off, lp_off, report_off), (tokens_on, lp_on, report_on) in zip(off, on[:-1],
+                                                                               strict=False):  # fmt: skip
+        assert tokens_on == tokens_off
+        assert max(abs(a - b) for a, b in zip(lp_on, lp_off, strict=True)) <= FP32_LOGPROB_BOUND
+        assert report_off is not None and "cascade_steps" not in report_off
+        assert report_on is not None and report_on["fallback"] is None, report_on
+        assert report_on["reused_tokens"] == doc_len
+        # every step after the first token (which the prefill samples) decoded in cascade
+        assert report_on["cascade_steps"] == MAX_TOKENS - 1, report_on
+        # most document rows were read from the master, not from the request's own copy
+        assert report_on["cascade_shared_rows"] >= doc_len // 2, report_on
+    plain_off, plain_on = off[-1], on[-1]
+    assert plain_on[2] is None and plain_on[0] == plain_off[0]
+    # vLLM's kernel on a sub-batch: its bits may differ from the whole batch's (vLLM's CPU
+    # kernel is not batch-invariant), never more than that
+    assert max(abs(a - b) for a, b in zip(plain_on[1], plain_off[1], strict=True)) <= 1e-4
+
+
+def test_a_failed_self_check_leaves_decode_stock_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kmesh_blend.vllm import cascade_install
+
+    monkeypatch.setattr(cascade_install, "_self_check", lambda *a: "forced by the test")
+    path, doc_len = build_checkpoint(TINY_LLAMA), 300
+    on = _serve(path, "float32", "tiny", doc_len, cascade_decode=True)
+    off = _serve(path, "float32", "tiny", doc_len, cascade_decode=False)
+    for (tokens_on, lp_on, report), (tokens_off, lp_off, _) in zip(on, off, strict=True):
+        assert tokens_on == tokens_off and lp_on == lp_off
+        if report is not None:
+            assert "cascade_steps" not in report
+            assert report["cascade_off"] == "forced by the test"
+
+
+def test_an_error_inside_the_path_falls_back_to_vllms_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kmesh_blend.vllm import cascade_decode
+
+    calls = []
+
+    def broken(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) > 40:  # the start-up self-check and a few layers pass, then it breaks
+            raise RuntimeError("injected")
+        return real(*args)
+
+    real = cascade_decode.decode_cascade
+    monkeypatch.setattr(cascade_decode, "decode_cascade", broken)
+    path, doc_len = build_checkpoint(TINY_LLAMA), 300
+    on = _serve(path, "float32", "tiny", doc_len, cascade_decode=True)
+    monkeypatch.setattr(cascade_decode, "decode_cascade", real)
+    off = _serve(path, "float32", "tiny", doc_len, cascade_decode=False)
+    reasons = {r[2].get("cascade_off") for r in on[:-1] if r[2] is not None}
+    assert any(reason and "injected" in reason for reason in reasons), reasons
+    for (tokens_on, lp_on, _), (tokens_off, lp_off, _) in zip(on, off, strict=True):
+        assert tokens_on == tokens_off
+        assert max(abs(a - b) for a, b in zip(lp_on, lp_off, strict=True)) <= FP32_LOGPROB_BOUND
