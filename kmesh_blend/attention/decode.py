@@ -26,16 +26,16 @@ MASKED = -1.0e30
 
 
 class OwnRows(NamedTuple):
-    """Each request's own rows, padded to U: k_t [n, Hkv, D, U] fp32 (keys, transposed for the
-    score product) and v [n, Hkv, U, D] fp32."""
+    """Each request's own rows, padded to U: k_t [n, Hkv, D, U] (keys, transposed for the score
+    product) and v [n, Hkv, U, D], in the KV cache dtype."""
 
     k_t: torch.Tensor
     v: torch.Tensor
 
 
 class MasterRows(NamedTuple):
-    """A shared master: k_t [Hkv, D, S] fp32 (keys rotated at the master's positions,
-    transposed), v [Hkv, S, D] fp32, and per request the rotation of its query by −Δ
+    """A shared master: k_t [Hkv, D, S] (keys rotated at the master's positions, transposed) and
+    v [Hkv, S, D] in the KV cache dtype, and per request the rotation of its query by −Δ
     (`rotation_tables`): cos / signed_sin [n, D] fp32."""
 
     k_t: torch.Tensor
@@ -62,30 +62,36 @@ def decode_cascade(q: torch.Tensor, own: OwnRows, masters: Sequence[MasterRows],
     `MASKED` where not (padding; a master row its own copy replaced, or a master it does not
     read). Each master's K/V are read once for all n queries: one product per KV head covers
     them all. Returns [n, H, D] fp32: softmax attention over each request's materialized
-    context, summed in another order (the start-up self-check bounds the difference to vLLM's
-    kernel).
+    context, summed in another order.
+
+    Precision: scores and softmax in fp32 always. With fp32 KV everything is fp32 (within 1e-5
+    of attention over the materialized context). With 16-bit KV the value product runs in the
+    KV dtype (its V rows are exact there; the weights are rounded to it, ≈ 2⁻⁹ relative, and so
+    is each product's output — about what rounding the output to bf16 costs anyway), which
+    halves its cost; the start-up self-check bounds the difference to vLLM's kernel.
     """
     n, heads, dim = q.shape
     kv_heads, _, width = own.k_t.shape[1:]
     group = heads // kv_heads
     qf = q.float().view(n, kv_heads, group, dim)
     parts = [torch.bmm(qf.reshape(n * kv_heads, group, dim),
-                       own.k_t.reshape(n * kv_heads, dim, width)).view(n, kv_heads, group, width)]  # fmt: skip
+                       own.k_t.reshape(n * kv_heads, dim, width).float())
+             .view(n, kv_heads, group, width)]  # fmt: skip
     flat_q = qf.view(n, heads, dim)
     half = dim // 2
     swapped = torch.cat((flat_q[..., half:], flat_q[..., :half]), dim=-1)
     for m in masters:
         qm = flat_q * m.cos[:, None, :] + swapped * m.signed_sin[:, None, :]
         qm = qm.view(n, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, n * group, dim)
-        parts.append(torch.bmm(qm, m.k_t).view(kv_heads, n, group, -1).transpose(0, 1))
+        parts.append(torch.bmm(qm, m.k_t.float()).view(kv_heads, n, group, -1).transpose(0, 1))
     scores = torch.cat(parts, dim=-1).mul_(scale).add_(bias[:, None, None, :])
-    probs = torch.softmax(scores, dim=-1)  # [n, Hkv, G, U + ΣS]
+    probs = torch.softmax(scores, dim=-1).to(own.v.dtype)  # [n, Hkv, G, U + ΣS]
     out = torch.bmm(probs[..., :width].reshape(n * kv_heads, group, width),
-                    own.v.reshape(n * kv_heads, width, dim)).view(n, kv_heads, group, dim)  # fmt: skip
+                    own.v.reshape(n * kv_heads, width, dim)).view(n, kv_heads, group, dim).float()  # fmt: skip
     start = width
     for m in masters:
         size = m.k_t.shape[-1]
         p = probs[..., start : start + size].transpose(0, 1).reshape(kv_heads, n * group, size)
-        out += torch.bmm(p, m.v).view(kv_heads, n, group, dim).transpose(0, 1)
+        out += torch.bmm(p, m.v).view(kv_heads, n, group, dim).transpose(0, 1).float()
         start += size
     return out.view(n, heads, dim)

@@ -41,6 +41,8 @@ log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 ReqIds = Callable[[int], "list[str] | None"]
 
+_HEADROOM = 32  # own columns for generated rows added at a time (buffers grow by copying)
+
 
 class _Others(NamedTuple):
     """vLLM kernel inputs for the step's other requests (a sub-batch)."""
@@ -171,8 +173,8 @@ class CascadeDecode:
         rows = torch.arange(step.tokens.numel())
         cols = buffers.first_free + step.generated
         shape = (rows.numel(), self.num_kv_heads, self.head_dim)
-        buffers.own.k_t[rows, :, :, cols] = key[step.tokens].reshape(shape).float()
-        buffers.own.v[rows, :, cols] = value[step.tokens].reshape(shape).float()
+        buffers.own.k_t[rows, :, :, cols] = key[step.tokens].reshape(shape).to(buffers.own.v.dtype)
+        buffers.own.v[rows, :, cols] = value[step.tokens].reshape(shape).to(buffers.own.v.dtype)
         buffers.bias[rows, cols] = 0.0
         masters = [MasterRows(m.k_t[index], m.v[index], cos, sin)
                    for m, cos, sin in step.composition.masters]  # fmt: skip
@@ -217,7 +219,7 @@ class CascadeDecode:
                     continue
                 for use in plan.uses:
                     if use.key not in self.masters:
-                        self.masters[use.key] = SharedMaster.of(use.master)
+                        self.masters[use.key] = SharedMaster.of(use.master, self.caches[0].dtype)
                     self.masters[use.key].users += 1
             chosen.append((i, plan))
         if not chosen:
@@ -244,11 +246,10 @@ class CascadeDecode:
         and each request has exactly one row more; else built from the paged cache."""
         key = tuple(plan.req_id for _, plan in chosen)
         last = self._composition
-        if (last is not None and last.key == key and last.filled == generated
-                and max(generated) < last.capacity):  # fmt: skip
-            return last
+        if last is not None and last.key == key and last.filled == generated:
+            return last if max(generated) < last.capacity else _grown(last, _HEADROOM)
         n, block_size = len(chosen), self.layout.block_size
-        capacity = max(generated) + 64
+        capacity = max(generated) + _HEADROOM
         readers: dict[str, list[tuple[int, MasterUse, torch.Tensor]]] = {}
         for r, (_, plan) in enumerate(chosen):
             for use, rows in zip(plan.uses, plan.shared, strict=True):
@@ -265,16 +266,17 @@ class CascadeDecode:
         for layer, cache in enumerate(self.caches):
             prompt = [plan.own_slots[layer] for _, plan in chosen]
             width = max(int(p.numel()) for p in prompt) + capacity
-            k_t = torch.zeros(n, self.num_kv_heads, self.head_dim, width)
-            v = torch.zeros(n, self.num_kv_heads, width, self.head_dim)
+            dtype = cache.dtype
+            k_t = torch.zeros(n, self.num_kv_heads, self.head_dim, width, dtype=dtype)
+            v = torch.zeros(n, self.num_kv_heads, width, self.head_dim, dtype=dtype)
             parts = [torch.full((n, width), MASKED)]
             for r, ((i, plan), own) in enumerate(zip(chosen, prompt, strict=True)):
                 pos = torch.arange(plan.num_tokens, plan.num_tokens + generated[r])
                 blocks = meta.block_table[i].to(torch.int64)[pos // block_size]
                 slots = torch.cat((own, blocks * block_size + pos % block_size))
                 rk, rv = self.layout.read(cache, slots.to(cache.device))
-                k_t[r, :, :, : slots.numel()] = rk.float().permute(1, 2, 0)
-                v[r, :, : slots.numel()] = rv.float().transpose(0, 1)
+                k_t[r, :, :, : slots.numel()] = rk.cpu().permute(1, 2, 0)
+                v[r, :, : slots.numel()] = rv.cpu().transpose(0, 1)
                 parts[0][r, : slots.numel()] = 0.0
             for master, _, _, group in masters:
                 reads = torch.full((n, master.v.shape[2]), MASKED)
@@ -306,6 +308,21 @@ class CascadeDecode:
         )  # fmt: skip
         block_table = meta.block_table[index].contiguous()
         return _Others(tokens, query_start_loc, seq_lens, block_table, schedule)
+
+
+def _grown(old: _Composition, extra: int) -> _Composition:
+    """``old`` with ``extra`` more own columns per layer (copied, not gathered again)."""
+    layers = []
+    for buffers in old.layers:
+        k_t, v = buffers.own
+        width = k_t.shape[-1]
+        new_k = k_t.new_zeros((*k_t.shape[:-1], width + extra))
+        new_v = v.new_zeros((v.shape[0], v.shape[1], width + extra, v.shape[3]))
+        new_k[..., :width], new_v[:, :, :width] = k_t, v
+        pad = torch.full((k_t.shape[0], extra), MASKED)
+        bias = torch.cat((buffers.bias[:, :width], pad, buffers.bias[:, width:]), dim=1)
+        layers.append(_Layer(OwnRows(new_k, new_v), buffers.first_free, bias))
+    return old._replace(layers=layers, capacity=old.capacity + extra)
 
 
 def _kernel(layer: Any, cache: torch.Tensor, query: torch.Tensor, sub: _Others,

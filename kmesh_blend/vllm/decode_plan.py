@@ -34,8 +34,9 @@ class MasterUse:
 
 @dataclass
 class SharedMaster:
-    """A master in the layout the decode reads: k_t [L, Hkv, D, S] and v [L, Hkv, S, D] fp32,
-    ``first`` its first stored position; ``users`` how many live plans read it (freed at 0)."""
+    """A master in the layout the decode reads: k_t [L, Hkv, D, S] and v [L, Hkv, S, D] in the
+    KV cache dtype, ``first`` its first stored position; ``users`` how many live plans read it
+    (freed at 0)."""
 
     k_t: torch.Tensor
     v: torch.Tensor
@@ -43,10 +44,10 @@ class SharedMaster:
     users: int = 0
 
     @classmethod
-    def of(cls, master: Any) -> SharedMaster:
+    def of(cls, master: Any, dtype: torch.dtype) -> SharedMaster:
         kv = master.kv
-        k = kv[:, 0].float().permute(0, 2, 3, 1).contiguous()
-        v = kv[:, 1].float().permute(0, 2, 1, 3).contiguous()
+        k = kv[:, 0].to(dtype).permute(0, 2, 3, 1).contiguous()
+        v = kv[:, 1].to(dtype).permute(0, 2, 1, 3).contiguous()
         return cls(k, v, int(master.positions[0]))
 
 

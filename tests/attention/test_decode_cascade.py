@@ -6,7 +6,7 @@ on by Δ, some replaced by rows of its own), generated rows. Its own level holds
 the master rows it reads; the bias masks the rest. fp32: ≤ 1e-5 absolute (unit-normal values;
 the paths differ by where the rotation is applied and by the order of sums). bf16 queries and
 caches: the reference rotates in fp32 and rounds the moved keys to bf16 as the blend stores them,
-the cascade reads the master unrounded: ≤ 3e-2 absolute.
+the cascade reads the master unrounded and forms the value product in bf16: ≤ 3e-2 absolute.
 """
 
 from __future__ import annotations
@@ -81,10 +81,11 @@ def _problem(n: int, num_masters: int, replaced: float, dtype: torch.dtype, seed
     for g, ((mk, mv), size, first) in enumerate(zip(masters, sizes, firsts, strict=True)):
         deltas = torch.tensor([(reads[r][g][1] or first) - first for r in range(n)])
         cos, sin = rotation_tables(deltas, rope.inv_freq)
-        rows.append(MasterRows(mk.float().permute(1, 2, 0).contiguous(),
-                               mv.float().transpose(0, 1).contiguous(), cos, sin))  # fmt: skip
+        rows.append(MasterRows(mk.permute(1, 2, 0).contiguous(), mv.transpose(0, 1).contiguous(),
+                               cos, sin))  # fmt: skip
         bias.append(torch.stack([torch.where(reads[r][g][0], 0.0, MASKED) for r in range(n)]))
-    got = decode_cascade(torch.cat(queries), OwnRows(k_t, v_pad), rows, torch.cat(bias, 1), SCALE)
+    own_rows = OwnRows(k_t.to(dtype), v_pad.to(dtype))  # in the KV dtype, as the engine keeps them
+    got = decode_cascade(torch.cat(queries), own_rows, rows, torch.cat(bias, 1), SCALE)
     return got, torch.stack(want)
 
 
