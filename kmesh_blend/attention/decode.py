@@ -53,8 +53,9 @@ def rotation_tables(deltas: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return cos, torch.cat((-sin, sin), dim=-1)
 
 
-def decode_cascade(q: torch.Tensor, own: OwnRows, masters: Sequence[MasterRows],
-                   bias: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+def decode_cascade(
+    q: torch.Tensor, own: OwnRows, masters: Sequence[MasterRows], bias: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Attention of one decode query per request over its own rows and the shared masters.
 
     q: [n, H, D] (rotated at each request's position), any float dtype. bias: [n, U + ΣS] fp32
@@ -74,9 +75,11 @@ def decode_cascade(q: torch.Tensor, own: OwnRows, masters: Sequence[MasterRows],
     kv_heads, _, width = own.k_t.shape[1:]
     group = heads // kv_heads
     qf = q.float().view(n, kv_heads, group, dim)
-    parts = [torch.bmm(qf.reshape(n * kv_heads, group, dim),
-                       own.k_t.reshape(n * kv_heads, dim, width).float())
-             .view(n, kv_heads, group, width)]  # fmt: skip
+    parts = [
+        torch.bmm(
+            qf.reshape(n * kv_heads, group, dim), own.k_t.reshape(n * kv_heads, dim, width).float()
+        ).view(n, kv_heads, group, width)
+    ]
     flat_q = qf.view(n, heads, dim)
     half = dim // 2
     swapped = torch.cat((flat_q[..., half:], flat_q[..., :half]), dim=-1)
@@ -86,8 +89,14 @@ def decode_cascade(q: torch.Tensor, own: OwnRows, masters: Sequence[MasterRows],
         parts.append(torch.bmm(qm, m.k_t.float()).view(kv_heads, n, group, -1).transpose(0, 1))
     scores = torch.cat(parts, dim=-1).mul_(scale).add_(bias[:, None, None, :])
     probs = torch.softmax(scores, dim=-1).to(own.v.dtype)  # [n, Hkv, G, U + ΣS]
-    out = torch.bmm(probs[..., :width].reshape(n * kv_heads, group, width),
-                    own.v.reshape(n * kv_heads, width, dim)).view(n, kv_heads, group, dim).float()  # fmt: skip
+    out = (
+        torch.bmm(
+            probs[..., :width].reshape(n * kv_heads, group, width),
+            own.v.reshape(n * kv_heads, width, dim),
+        )
+        .view(n, kv_heads, group, dim)
+        .float()
+    )
     start = width
     for m in masters:
         size = m.k_t.shape[-1]

@@ -35,13 +35,21 @@ from kmesh_blend.attention.decode import (
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout
 
-__all__ = ["CascadeDecode", "MasterUse"]
+__all__ = ["CascadeDecode", "MasterUse", "pause"]
 
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 ReqIds = Callable[[int], "list[str] | None"]
 
 _HEADROOM = 32  # own columns for generated rows added at a time (buffers grow by copying)
+_paused = False
+
+
+def pause(paused: bool) -> None:
+    """Let every step of this process run vLLM's forward (True) or the cascade again (False);
+    plans stay. For benchmarks that compare both in one engine."""
+    global _paused
+    _paused = paused
 
 
 class _Others(NamedTuple):
@@ -87,9 +95,17 @@ class CascadeDecode:
     ``rope``: the model's `RotaryEmbedding`; ``req_ids(n)``: the ids of the batch's first n
     requests in the order of the attention metadata (None when unknown: no cascade)."""
 
-    def __init__(self, layers: list[Any], caches: list[torch.Tensor], layout: PagedLayout,
-                 rope: Any, num_heads: int, num_kv_heads: int, head_dim: int,
-                 req_ids: ReqIds) -> None:  # fmt: skip
+    def __init__(
+        self,
+        layers: list[Any],
+        caches: list[torch.Tensor],
+        layout: PagedLayout,
+        rope: Any,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        req_ids: ReqIds,
+    ) -> None:
         self.layers, self.caches, self.layout, self.rope = layers, caches, layout, rope
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.req_ids = req_ids
@@ -103,8 +119,9 @@ class CascadeDecode:
 
     # --- lifecycle ------------------------------------------------------------------------------
 
-    def add(self, req_id: str, block_ids: list[int], num_tokens: int,
-            uses: list[MasterUse]) -> None:  # fmt: skip
+    def add(
+        self, req_id: str, block_ids: list[int], num_tokens: int, uses: list[MasterUse]
+    ) -> None:
         """A request blended this step; its plan is armed at its first decode step."""
         self.drop(req_id)
         if self.broken is not None:
@@ -135,13 +152,22 @@ class CascadeDecode:
 
     # --- the attention forward ------------------------------------------------------------------
 
-    def forward(self, index: int, stock: Callable[..., torch.Tensor], layer: Any,
-                query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: Any, output: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        index: int,
+        stock: Callable[..., torch.Tensor],
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: Any,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
         """Attention of layer ``index``; ``stock`` is vLLM's own forward of the same impl."""
         if meta is not self._meta:
             self._meta, self._step = meta, None
-            if self.plans and self.broken is None:
+            if self.plans and self.broken is None and not _paused:
                 try:
                     self._step = self._build(meta, layer, query.dtype)
                 except Exception as exc:
@@ -153,8 +179,9 @@ class CascadeDecode:
             got = self._attend(index, step, layer, query, key, value)
             others = None
             if step.others is not None:
-                others = _kernel(layer, kv_cache, query[step.others.tokens], step.others,
-                                 meta.causal)  # fmt: skip
+                others = _kernel(
+                    layer, kv_cache, query[step.others.tokens], step.others, meta.causal
+                )
         except Exception as exc:  # never serve doubtful KV: this and later steps run stock
             self._break(exc)
             self._step = None
@@ -166,8 +193,15 @@ class CascadeDecode:
             out[step.others.tokens] = others
         return output
 
-    def _attend(self, index: int, step: _Step, layer: Any, query: torch.Tensor,
-                key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def _attend(
+        self,
+        index: int,
+        step: _Step,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
         """This step's token of every cascade request joins its own rows, then attends."""
         buffers = step.composition.layers[index]
         rows = torch.arange(step.tokens.numel())
@@ -176,15 +210,21 @@ class CascadeDecode:
         buffers.own.k_t[rows, :, :, cols] = key[step.tokens].reshape(shape).to(buffers.own.v.dtype)
         buffers.own.v[rows, :, cols] = value[step.tokens].reshape(shape).to(buffers.own.v.dtype)
         buffers.bias[rows, cols] = 0.0
-        masters = [MasterRows(m.k_t[index], m.v[index], cos, sin)
-                   for m, cos, sin in step.composition.masters]  # fmt: skip
-        return decode_cascade(query[step.tokens], buffers.own, masters, buffers.bias,
-                              layer.impl.scale)  # fmt: skip
+        masters = [
+            MasterRows(m.k_t[index], m.v[index], cos, sin)
+            for m, cos, sin in step.composition.masters
+        ]
+        return decode_cascade(
+            query[step.tokens], buffers.own, masters, buffers.bias, layer.impl.scale
+        )
 
     def _break(self, exc: Exception) -> None:
         self.broken = f"{type(exc).__name__}: {exc}"
-        log.warning("kmesh: cascade decode failed, vLLM's forward serves from now on: %s\n%s",
-                    self.broken, traceback.format_exc())  # fmt: skip
+        log.warning(
+            "kmesh: cascade decode failed, vLLM's forward serves from now on: %s\n%s",
+            self.broken,
+            traceback.format_exc(),
+        )
         for req_id in list(self.plans):
             self.drop(req_id, f"cascade decode failed: {self.broken}")
 
@@ -226,8 +266,10 @@ class CascadeDecode:
             return None
         for _, plan in chosen:
             plan.steps += 1
-            self.reports[plan.req_id] = {"cascade_steps": plan.steps,
-                                         "cascade_shared_rows": plan.shared_rows}  # fmt: skip
+            self.reports[plan.req_id] = {
+                "cascade_steps": plan.steps,
+                "cascade_shared_rows": plan.shared_rows,
+            }
         rows = [i for i, _ in chosen]
         generated = [seq_lens[i] - 1 - plan.num_tokens for i, plan in chosen]
         composition = self._compose(meta, chosen, generated)
@@ -240,8 +282,9 @@ class CascadeDecode:
             self._others(meta, layer, dtype, others, starts) if others else None,
         )
 
-    def _compose(self, meta: Any, chosen: list[tuple[int, DecodePlan]],
-                 generated: list[int]) -> _Composition:  # fmt: skip
+    def _compose(
+        self, meta: Any, chosen: list[tuple[int, DecodePlan]], generated: list[int]
+    ) -> _Composition:
         """The buffers of this set of plans: kept from the last step while the set is the same
         and each request has exactly one row more; else built from the paged cache."""
         key = tuple(plan.req_id for _, plan in chosen)
@@ -286,11 +329,13 @@ class CascadeDecode:
             first_free = torch.tensor([int(p.numel()) for p in prompt], dtype=torch.int64)
             layers.append(_Layer(OwnRows(k_t, v), first_free, torch.cat(parts, dim=1)))
         capacity_left = capacity  # generated rows that fit after every request's prompt part
-        return _Composition(key, layers, [(m, c, s) for m, c, s, _ in masters], list(generated),
-                            capacity_left)  # fmt: skip
+        return _Composition(
+            key, layers, [(m, c, s) for m, c, s, _ in masters], list(generated), capacity_left
+        )
 
-    def _others(self, meta: Any, layer: Any, dtype: torch.dtype, rows: list[int],
-                starts: list[int]) -> _Others:  # fmt: skip
+    def _others(
+        self, meta: Any, layer: Any, dtype: torch.dtype, rows: list[int], starts: list[int]
+    ) -> _Others:
         from vllm import _custom_ops as ops
         from vllm import envs
 
@@ -300,12 +345,20 @@ class CascadeDecode:
         index = torch.tensor(rows)
         seq_lens = meta.seq_lens[index].contiguous()
         schedule = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(rows), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, seq_lens=seq_lens, dtype=dtype,
-            query_start_loc=query_start_loc, causal=bool(meta.causal), sliding_window_size=-1,
-            isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+            num_reqs=len(rows),
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            seq_lens=seq_lens,
+            dtype=dtype,
+            query_start_loc=query_start_loc,
+            causal=bool(meta.causal),
+            sliding_window_size=-1,
+            isa=layer.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            dynamic_causal=None,
             kv_cache_dtype=layer.impl.kv_cache_dtype,
-        )  # fmt: skip
+        )
         block_table = meta.block_table[index].contiguous()
         return _Others(tokens, query_start_loc, seq_lens, block_table, schedule)
 
@@ -325,8 +378,9 @@ def _grown(old: _Composition, extra: int) -> _Composition:
     return old._replace(layers=layers, capacity=old.capacity + extra)
 
 
-def _kernel(layer: Any, cache: torch.Tensor, query: torch.Tensor, sub: _Others,
-            causal: bool) -> torch.Tensor:  # fmt: skip
+def _kernel(
+    layer: Any, cache: torch.Tensor, query: torch.Tensor, sub: _Others, causal: bool
+) -> torch.Tensor:
     """vLLM's CPU attention kernel on a sub-batch: [t, H, D] in the query dtype."""
     from vllm import _custom_ops as ops
 
@@ -336,11 +390,23 @@ def _kernel(layer: Any, cache: torch.Tensor, query: torch.Tensor, sub: _Others,
     key_cache, value_cache = base.chunk(2, dim=2)
     out = torch.empty_like(query)
     ops.cpu_attention_with_kv_cache(
-        query=query.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
-        query_start_loc=sub.query_start_loc, seq_lens=sub.seq_lens, scale=impl.scale,
-        causal=causal, alibi_slopes=impl.alibi_slopes, sliding_window=impl.sliding_window,
-        block_table=sub.block_table, softcap=impl.logits_soft_cap, scheduler_metadata=sub.schedule,
-        s_aux=impl.sinks, dynamic_causal=None, k_scale=layer._k_scale_float,
-        v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype,
-    )  # fmt: skip
+        query=query.contiguous(),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=out,
+        query_start_loc=sub.query_start_loc,
+        seq_lens=sub.seq_lens,
+        scale=impl.scale,
+        causal=causal,
+        alibi_slopes=impl.alibi_slopes,
+        sliding_window=impl.sliding_window,
+        block_table=sub.block_table,
+        softcap=impl.logits_soft_cap,
+        scheduler_metadata=sub.schedule,
+        s_aux=impl.sinks,
+        dynamic_causal=None,
+        k_scale=layer._k_scale_float,
+        v_scale=layer._v_scale_float,
+        kv_cache_dtype=impl.kv_cache_dtype,
+    )
     return out

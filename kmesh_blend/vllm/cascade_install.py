@@ -25,19 +25,24 @@ log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 _subclasses: dict[type, type] = {}
 
 
-def install(layers: list[Any], caches: list[torch.Tensor], layout: PagedLayout, rope: Any,
-            num_heads: int, num_kv_heads: int, head_dim: int,
-            req_ids: ReqIds) -> tuple[CascadeDecode | None, str | None]:  # fmt: skip
+def install(
+    layers: list[Any],
+    caches: list[torch.Tensor],
+    layout: PagedLayout,
+    rope: Any,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    req_ids: ReqIds,
+) -> tuple[CascadeDecode | None, str | None]:
     """(the installed path, None), or (None, why it stays off)."""
     problem = _unsupported(layers[0], layout)
     if problem is None:
-        problem = _self_check(layers[0], caches[0], layout, rope, num_heads, num_kv_heads,
-                              head_dim)  # fmt: skip
+        problem = _self_check(layers[0], caches[0], layout, rope, num_heads, num_kv_heads, head_dim)
     if problem is not None:
         log.warning("kmesh: cascade decode stays off: %s", problem)
         return None, problem
-    decode = CascadeDecode(layers, caches, layout, rope, num_heads, num_kv_heads, head_dim,
-                           req_ids)  # fmt: skip
+    decode = CascadeDecode(layers, caches, layout, rope, num_heads, num_kv_heads, head_dim, req_ids)
     for index, layer in enumerate(layers):
         _attach(layer.impl, decode, index)
     log.info("kmesh: cascade decode on for %d attention layers (self-check passed)", len(layers))
@@ -51,20 +56,39 @@ def _attach(impl: Any, decode: CascadeDecode, index: int) -> None:
     cls = _subclasses.get(base)
     if cls is None:
 
-        def forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any,
-                    output: torch.Tensor, output_scale: Any = None,
-                    output_block_scale: Any = None) -> torch.Tensor:  # fmt: skip
+        def forward(
+            self: Any,
+            layer: Any,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            kv_cache: torch.Tensor,
+            attn_metadata: Any,
+            output: torch.Tensor,
+            output_scale: Any = None,
+            output_block_scale: Any = None,
+        ) -> torch.Tensor:
             stock = super(cls, self).forward  # type: ignore[arg-type]
             route = getattr(self, "_kmesh_route", None)
             if route is None or attn_metadata is None or output_scale is not None:
-                return stock(layer, query, key, value, kv_cache, attn_metadata, output,
-                             output_scale, output_block_scale)  # fmt: skip
-            return route[0].forward(route[1], stock, layer, query, key, value, kv_cache,
-                                    attn_metadata, output)  # fmt: skip
+                return stock(
+                    layer,
+                    query,
+                    key,
+                    value,
+                    kv_cache,
+                    attn_metadata,
+                    output,
+                    output_scale,
+                    output_block_scale,
+                )
+            return route[0].forward(
+                route[1], stock, layer, query, key, value, kv_cache, attn_metadata, output
+            )
 
-        cls = type(f"KMeshCascade{base.__name__}", (base,), {"forward": forward,
-                                                             "_kmesh_cascade": True})  # fmt: skip
+        cls = type(
+            f"KMeshCascade{base.__name__}", (base,), {"forward": forward, "_kmesh_cascade": True}
+        )
         _subclasses[base] = cls
     impl._kmesh_route = (decode, index)
     impl.__class__ = cls
@@ -83,8 +107,15 @@ def _unsupported(layer: Any, layout: PagedLayout) -> str | None:
     return None
 
 
-def _self_check(layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any, num_heads: int,
-                num_kv_heads: int, head_dim: int) -> str | None:  # fmt: skip
+def _self_check(
+    layer: Any,
+    cache: torch.Tensor,
+    layout: PagedLayout,
+    rope: Any,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> str | None:
     """Run the cascade path and vLLM's kernel on scratch blocks; None when they agree."""
     try:
         got, want = _scratch_run(layer, cache, layout, rope, num_heads, num_kv_heads, head_dim)
@@ -100,8 +131,15 @@ class _Master:
         self.kv, self.positions = kv, positions
 
 
-def _scratch_run(layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any,
-                 num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def _scratch_run(
+    layer: Any,
+    cache: torch.Tensor,
+    layout: PagedLayout,
+    rope: Any,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, ...]:
     from vllm import _custom_ops as ops
     from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
@@ -115,8 +153,9 @@ def _scratch_run(layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any
     size, first = bs + 5, 2
     master_k = rope.apply(rand(size, num_kv_heads, head_dim), torch.arange(first, first + size))
     master_v = rand(size, num_kv_heads, head_dim)
-    master = _Master(torch.stack((master_k, master_v))[None].to(dtype),
-                     torch.arange(first, first + size))  # fmt: skip
+    master = _Master(
+        torch.stack((master_k, master_v))[None].to(dtype), torch.arange(first, first + size)
+    )
     # (offset, prompt length, generated) per request; the third prefills 4 tokens meanwhile.
     shapes = [(3, size + 7, 3), (bs + 1, size + bs + 4, 1), (0, 2 * bs - 1, 0)]
     blocks = [[0, 4, 2], [3, 6, 1, 7], [5, 8]]
@@ -142,16 +181,30 @@ def _scratch_run(layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any
     query = rope.apply(rand(6, num_heads, head_dim), torch.tensor([25, 26, 27, 28, 29, 30]))
     query = query.to(dtype)
     schedule = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=3, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc, causal=True,
-        sliding_window_size=-1, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-        dynamic_causal=None, kv_cache_dtype=layer.impl.kv_cache_dtype,
-    )  # fmt: skip
+        num_reqs=3,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seq_lens=seq_lens,
+        dtype=dtype,
+        query_start_loc=query_start_loc,
+        causal=True,
+        sliding_window_size=-1,
+        isa=layer.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None,
+        kv_cache_dtype=layer.impl.kv_cache_dtype,
+    )
     meta = CPUAttentionMetadata(
-        num_actual_tokens=6, max_query_len=4, query_start_loc=query_start_loc,
-        max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=table,
-        slot_mapping=torch.zeros(6, dtype=torch.int64), scheduler_metadata=schedule,
-    )  # fmt: skip
+        num_actual_tokens=6,
+        max_query_len=4,
+        query_start_loc=query_start_loc,
+        max_seq_len=int(seq_lens.max()),
+        seq_lens=seq_lens,
+        block_table=table,
+        slot_mapping=torch.zeros(6, dtype=torch.int64),
+        scheduler_metadata=schedule,
+    )
     stock = type(layer.impl).forward
     if getattr(type(layer.impl), "_kmesh_cascade", False):
         stock = type(layer.impl).__mro__[1].forward
@@ -161,12 +214,21 @@ def _scratch_run(layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any
 
     key, value = torch.cat(keys), torch.cat(values)
     want = stock_forward(layer, query, key, value, scratch, meta, torch.zeros_like(query))
-    decode = CascadeDecode([layer], [scratch], layout, rope, num_heads, num_kv_heads, head_dim,
-                           lambda n: ["a", "b", "c"][:n])  # fmt: skip
+    decode = CascadeDecode(
+        [layer],
+        [scratch],
+        layout,
+        rope,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        lambda n: ["a", "b", "c"][:n],
+    )
     for name, (offset, prompt, _), ids in zip("ab", shapes, blocks, strict=False):
         decode.add(name, ids, prompt, [MasterUse("m", offset, offset + size, master)])
-    got = decode.forward(0, stock_forward, layer, query, key, value, scratch, meta,
-                         torch.zeros_like(query))  # fmt: skip
+    got = decode.forward(
+        0, stock_forward, layer, query, key, value, scratch, meta, torch.zeros_like(query)
+    )
     if decode.reports.get("a", {}).get("cascade_steps") != 1:
         raise RuntimeError(f"the scratch requests did not decode in cascade: {decode.reports}")
     return got, want

@@ -14,6 +14,7 @@ request on the stock path (one log line says why).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
@@ -78,10 +79,9 @@ def _record(runner: Any) -> None:
     with _lock:
         _models[id(runner.vllm_config)] = model
         _last[:] = [model]
-        try:
+        # A runner that is not weak-referenceable leaves the cascade decode path off.
+        with contextlib.suppress(TypeError):
             _runners[id(runner.vllm_config)] = weakref.ref(runner)
-        except TypeError:  # not weak-referenceable: the cascade decode path stays off
-            pass
 
 
 def _wrap_runner(module: ModuleType, class_name: str) -> None:

@@ -32,8 +32,12 @@ def _problem(n: int, num_masters: int, replaced: float, dtype: torch.dtype, seed
     sizes = [37, 23][:num_masters]
     firsts = [4, 0][:num_masters]
     masters = [
-        (rope.apply(torch.randn(s, KV_HEADS, DIM, generator=gen), torch.arange(f, f + s)).to(dtype),
-         torch.randn(s, KV_HEADS, DIM, generator=gen).to(dtype))  # fmt: skip
+        (
+            rope.apply(torch.randn(s, KV_HEADS, DIM, generator=gen), torch.arange(f, f + s)).to(
+                dtype
+            ),
+            torch.randn(s, KV_HEADS, DIM, generator=gen).to(dtype),
+        )
         for s, f in zip(sizes, firsts, strict=True)
     ]
     queries, want, owns, reads = [], [], [], []
@@ -78,11 +82,12 @@ def _problem(n: int, num_masters: int, replaced: float, dtype: torch.dtype, seed
         v_pad[r, :, : k.shape[0]] = v.float().transpose(0, 1)
         bias[0][r, : k.shape[0]] = 0.0
     rows = []
-    for g, ((mk, mv), size, first) in enumerate(zip(masters, sizes, firsts, strict=True)):
+    for g, ((mk, mv), first) in enumerate(zip(masters, firsts, strict=True)):
         deltas = torch.tensor([(reads[r][g][1] or first) - first for r in range(n)])
         cos, sin = rotation_tables(deltas, rope.inv_freq)
-        rows.append(MasterRows(mk.permute(1, 2, 0).contiguous(), mv.transpose(0, 1).contiguous(),
-                               cos, sin))  # fmt: skip
+        rows.append(
+            MasterRows(mk.permute(1, 2, 0).contiguous(), mv.transpose(0, 1).contiguous(), cos, sin)
+        )
         bias.append(torch.stack([torch.where(reads[r][g][0], 0.0, MASKED) for r in range(n)]))
     own_rows = OwnRows(k_t.to(dtype), v_pad.to(dtype))  # in the KV dtype, as the engine keeps them
     got = decode_cascade(torch.cat(queries), own_rows, rows, torch.cat(bias, 1), SCALE)
@@ -114,8 +119,12 @@ def test_a_wrong_rotation_is_caught() -> None:
     own = OwnRows(torch.randn(1, KV_HEADS, DIM, 2), torch.randn(1, KV_HEADS, 2, DIM))
     master = MasterRows(torch.randn(KV_HEADS, DIM, 5), torch.randn(KV_HEADS, 5, DIM), cos, sin)
     right = decode_cascade(q, own, [master], torch.zeros(1, 7), SCALE)
-    wrong = decode_cascade(q, own, [master._replace(cos=torch.ones_like(cos),
-                                                    signed_sin=torch.zeros_like(sin))],
-                           torch.zeros(1, 7), SCALE)  # fmt: skip
+    wrong = decode_cascade(
+        q,
+        own,
+        [master._replace(cos=torch.ones_like(cos), signed_sin=torch.zeros_like(sin))],
+        torch.zeros(1, 7),
+        SCALE,
+    )
     assert float((right - wrong).abs().max()) > 1e-3
     assert float((got - want).abs().max()) <= 1e-5
