@@ -27,15 +27,16 @@ MASKED = -1.0e30
 
 class OwnRows(NamedTuple):
     """Each request's own rows, padded to U: k_t [n, Hkv, D, U] (keys, transposed for the score
-    product) and v [n, Hkv, U, D], in the KV cache dtype."""
+    product; fp32, or converted on use) and v [n, Hkv, U, D] in the KV cache dtype."""
 
     k_t: torch.Tensor
     v: torch.Tensor
 
 
 class MasterRows(NamedTuple):
-    """A shared master: k_t [Hkv, D, S] (keys rotated at the master's positions, transposed) and
-    v [Hkv, S, D] in the KV cache dtype, and per request the rotation of its query by −Δ
+    """A shared master: k_t [Hkv, D, S] (keys rotated at the master's positions, transposed; fp32,
+    or converted on use) and v [Hkv, S, D] in the KV cache dtype, and per request the rotation of
+    its query by −Δ
     (`rotation_tables`): cos / signed_sin [n, D] fp32."""
 
     k_t: torch.Tensor

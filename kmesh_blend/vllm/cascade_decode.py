@@ -88,6 +88,7 @@ class _Step(NamedTuple):
     composition: _Composition
     generated: torch.Tensor  # [n] int64: generated rows before this step's token
     others: _Others | None
+    rows: torch.Tensor  # [n] int64: 0..n-1
 
 
 class CascadeDecode:
@@ -204,10 +205,10 @@ class CascadeDecode:
     ) -> torch.Tensor:
         """This step's token of every cascade request joins its own rows, then attends."""
         buffers = step.composition.layers[index]
-        rows = torch.arange(step.tokens.numel())
+        rows = step.rows
         cols = buffers.first_free + step.generated
         shape = (rows.numel(), self.num_kv_heads, self.head_dim)
-        buffers.own.k_t[rows, :, :, cols] = key[step.tokens].reshape(shape).to(buffers.own.v.dtype)
+        buffers.own.k_t[rows, :, :, cols] = key[step.tokens].reshape(shape).float()
         buffers.own.v[rows, :, cols] = value[step.tokens].reshape(shape).to(buffers.own.v.dtype)
         buffers.bias[rows, cols] = 0.0
         masters = [
@@ -280,6 +281,7 @@ class CascadeDecode:
             self._composition,
             torch.tensor(generated, dtype=torch.int64),
             self._others(meta, layer, dtype, others, starts) if others else None,
+            torch.arange(len(rows)),
         )
 
     def _compose(
@@ -310,7 +312,7 @@ class CascadeDecode:
             prompt = [plan.own_slots[layer] for _, plan in chosen]
             width = max(int(p.numel()) for p in prompt) + capacity
             dtype = cache.dtype
-            k_t = torch.zeros(n, self.num_kv_heads, self.head_dim, width, dtype=dtype)
+            k_t = torch.zeros(n, self.num_kv_heads, self.head_dim, width)  # fp32: see SharedMaster
             v = torch.zeros(n, self.num_kv_heads, width, self.head_dim, dtype=dtype)
             parts = [torch.full((n, width), MASKED)]
             for r, ((i, plan), own) in enumerate(zip(chosen, prompt, strict=True)):
@@ -318,7 +320,7 @@ class CascadeDecode:
                 blocks = meta.block_table[i].to(torch.int64)[pos // block_size]
                 slots = torch.cat((own, blocks * block_size + pos % block_size))
                 rk, rv = self.layout.read(cache, slots.to(cache.device))
-                k_t[r, :, :, : slots.numel()] = rk.cpu().permute(1, 2, 0)
+                k_t[r, :, :, : slots.numel()] = rk.cpu().float().permute(1, 2, 0)
                 v[r, :, : slots.numel()] = rv.cpu().transpose(0, 1)
                 parts[0][r, : slots.numel()] = 0.0
             for master, _, _, group in masters:
