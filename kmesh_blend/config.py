@@ -124,9 +124,10 @@ class KMeshConfig:
     ≈16 ms more per 2k-token mirror on one core); off keeps keeping a turn cheapest."""
     cascade_decode: bool = False
     """Decode the readers of a stored master in cascade: each decode step reads the master's KV
-    once for all of them (`kmesh_blend/vllm/cascade_decode.py`). Off by default: it changes the
-    order of floating-point sums (its tokens equal the stock kernel's, its log-probabilities
-    differ in the last bits) and it pays only where several requests decode over one segment."""
+    once for all of them (`kmesh_blend/vllm/cascade_decode.py`). Off by default: it saves KV
+    bandwidth, which bounds decode on a GPU, but on CPU (the only backend wired) it is slower than
+    vLLM's fused kernel for the same arithmetic (README, "Cascade decode"); and it sums in
+    another order (fp32 tokens equal, log-probabilities differ in the last bits)."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

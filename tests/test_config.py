@@ -58,6 +58,7 @@ def test_round_trip() -> None:
         "kmesh.store_cpu_bytes": 1 << 30,
         "kmesh.store_timeout_s": 0.5,
         "kmesh.compress_mirrors": False,
+        "kmesh.cascade_decode": False,
     }
     back = KMeshConfig.from_extra_config(extra)
     assert back == cfg
@@ -126,6 +127,7 @@ VALID = {
     "kmesh.store_timeout_s": "seconds > 0",
     "kmesh.separator": "a list of token ids",
     "kmesh.compress_mirrors": "true or false",
+    "kmesh.cascade_decode": "true or false",
 }
 R, L, SEL, SCH, ST = (
     "kmesh.recompute_ratio",
@@ -182,6 +184,8 @@ R, L, SEL, SCH, ST = (
         ("kmesh.separator", 7),
         ("kmesh.compress_mirrors", "yes"),
         ("kmesh.compress_mirrors", 1),
+        ("kmesh.cascade_decode", "on"),
+        ("kmesh.cascade_decode", 0),
     ],
     ids=repr,
 )

@@ -113,7 +113,7 @@ class CascadeDecode:
         self.plans: dict[str, DecodePlan] = {}
         self.masters: dict[str, SharedMaster] = {}
         self.reports: dict[str, dict[str, Any]] = {}  # req_id → report fields, taken per step
-        self._meta: Any = None  # the metadata the cached step was built for (kept alive)
+        self._meta: tuple[Any, int] | None = None  # what the cached step was built for
         self._step: _Step | None = None
         self._composition: _Composition | None = None
         self.broken: str | None = None  # set by an error inside the path: vLLM's forward only
@@ -166,8 +166,11 @@ class CascadeDecode:
         output: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of layer ``index``; ``stock`` is vLLM's own forward of the same impl."""
-        if meta is not self._meta:
-            self._meta, self._step = meta, None
+        # The same metadata object serves every layer of a step; its total length grows every
+        # step, so a backend that reused the object would still be noticed.
+        stamp = (meta, int(meta.seq_lens.sum()))
+        if self._meta is None or stamp[0] is not self._meta[0] or stamp[1] != self._meta[1]:
+            self._meta, self._step = stamp, None
             if self.plans and self.broken is None and not _paused:
                 try:
                     self._step = self._build(meta, layer, query.dtype)

@@ -50,6 +50,9 @@ class Report(TypedDict, total=False):
     load_ms: float
     kept_bytes: int
     restored_tokens: int
+    cascade_steps: int
+    cascade_shared_rows: int
+    cascade_off: str | None
 
 
 def new_report() -> Report:

@@ -179,3 +179,35 @@ def test_an_error_inside_the_path_falls_back_to_vllms_forward(
     for (tokens_on, lp_on, _), (tokens_off, lp_off, _) in zip(on, off, strict=True):
         assert tokens_on == tokens_off
         assert max(abs(a - b) for a, b in zip(lp_on, lp_off, strict=True)) <= FP32_LOGPROB_BOUND
+
+
+def test_through_the_openai_server(tmp_path: Path) -> None:
+    """The multiprocess engine behind vLLM's OpenAI-compatible server: follow-ups decode in
+    cascade and say so in the response's ``kv_transfer_params``."""
+    import sys
+
+    from tests.segments.conftest import _free_port, _stop
+    from tests.vllm.test_metrics import start_openai_server
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from serve_client import _post, _wait_healthy
+
+    model, port = str(build_checkpoint(TINY_LLAMA)), _free_port()
+    family = _prompts("tiny", 300)[:5]
+    server = start_openai_server(
+        model, port, kv_transfer_config(cascade_decode=True), tmp_path / "server.log"
+    )
+    try:
+        _wait_healthy(port, server)
+        reports = []
+        for i, (ids, spans) in enumerate(family):
+            body = {"model": model, "prompt": ids, "max_tokens": 1 if i == 0 else 6,
+                    "temperature": 0, "ignore_eos": True,
+                    "kv_transfer_params": {"kmesh": {"segments": spans}}}  # fmt: skip
+            reply = _post(f"http://127.0.0.1:{port}/v1/completions", body)
+            reports.append(reply["kv_transfer_params"]["kmesh"])
+    finally:
+        _stop(server)
+    for report in reports[1:]:
+        assert report["fallback"] is None and report["reused_tokens"] == 300, report
+        assert report["cascade_steps"] == 5 and report["cascade_shared_rows"] >= 150, report
