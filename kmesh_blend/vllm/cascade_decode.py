@@ -1,19 +1,18 @@
 """Cascade attention in vLLM's decode: requests that read the same master attend to it once.
 
 Switched on by ``kmesh.cascade_decode``. The worker gives each attention layer of this engine a
-subclass of its backend implementation (`install`; vLLM's CPU backend, no file patched, no global
-registry entry) whose ``forward`` asks `CascadeDecode.forward`. Per step — the same attention
-metadata object serves every layer, so the plan is built once — the batch's requests are matched
-to decode plans (`kmesh_blend.vllm.decode_plan`) by request id (the runner's batch order) *and*
-by their block-table rows. Requests decoding one token whose plan is armed attend through
-`kmesh_blend.attention.decode.decode_cascade`: one shared level per master (its K/V read once for
-all its readers, rows a reader replaced masked for it), one unique level per request (its other
-prompt rows and generated rows, gathered from its own paged blocks). Every other request of the
-step runs on vLLM's own kernel, as a sub-batch; a step with no cascade request, or whose
-metadata is anything but plain causal attention, runs vLLM's forward unchanged.
-
-A start-up self-check (`check`) runs this path and vLLM's kernel on scratch blocks; if they
-disagree, nothing is installed and the reason is logged once.
+subclass of its backend implementation (`kmesh_blend.vllm.cascade_install`: vLLM's CPU backend,
+no file patched, no global registry entry) whose ``forward`` asks `CascadeDecode.forward`. Per
+step — the same attention metadata object serves every layer, so the step is planned once — the
+batch's requests are matched to decode plans (`kmesh_blend.vllm.decode_plan`) by request id (the
+runner's batch order) *and* by their block-table rows. Requests decoding one token whose plan is
+armed attend through `kmesh_blend.attention.decode.decode_cascade`: each master's K/V read once
+for all its readers (rows a reader replaced masked for it), and each request's own rows (its
+other prompt rows, copied out of its blocks when the set of decoding requests forms, and its
+generated rows, appended from the forward's key/value every step). Every other request of the
+step runs on vLLM's own kernel as a sub-batch (`kmesh_blend.vllm.sub_batch`); a step with no
+cascade request, or whose metadata is anything but plain causal attention, runs vLLM's forward
+unchanged. An exception inside the path hands every later step to vLLM's forward.
 """
 
 from __future__ import annotations
@@ -34,6 +33,8 @@ from kmesh_blend.attention.decode import (
 )
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout
+from kmesh_blend.vllm.sub_batch import SubBatch, sub_batch
+from kmesh_blend.vllm.sub_batch import attend as attend_sub_batch
 
 __all__ = ["CascadeDecode", "MasterUse", "pause"]
 
@@ -50,16 +51,6 @@ def pause(paused: bool) -> None:
     plans stay. For benchmarks that compare both in one engine."""
     global _paused
     _paused = paused
-
-
-class _Others(NamedTuple):
-    """vLLM kernel inputs for the step's other requests (a sub-batch)."""
-
-    tokens: torch.Tensor  # [t] int64 query rows
-    query_start_loc: torch.Tensor  # [r+1] int32
-    seq_lens: torch.Tensor  # [r] int32
-    block_table: torch.Tensor  # [r, max_blocks] int32
-    schedule: Any
 
 
 class _Layer(NamedTuple):
@@ -87,7 +78,7 @@ class _Step(NamedTuple):
     tokens: torch.Tensor  # [n] int64 query rows of the cascade requests
     composition: _Composition
     generated: torch.Tensor  # [n] int64: generated rows before this step's token
-    others: _Others | None
+    others: SubBatch | None
     rows: torch.Tensor  # [n] int64: 0..n-1
 
 
@@ -183,7 +174,7 @@ class CascadeDecode:
             got = self._attend(index, step, layer, query, key, value)
             others = None
             if step.others is not None:
-                others = _kernel(
+                others = attend_sub_batch(
                     layer, kv_cache, query[step.others.tokens], step.others, meta.causal
                 )
         except Exception as exc:  # never serve doubtful KV: this and later steps run stock
@@ -193,7 +184,7 @@ class CascadeDecode:
         num = meta.num_actual_tokens
         out = output[:num].view(num, self.num_heads, self.head_dim)
         out[step.tokens] = got.to(out.dtype)
-        if others is not None:
+        if others is not None and step.others is not None:
             out[step.others.tokens] = others
         return output
 
@@ -283,7 +274,7 @@ class CascadeDecode:
             torch.tensor([starts[i] for i in rows], dtype=torch.int64),
             self._composition,
             torch.tensor(generated, dtype=torch.int64),
-            self._others(meta, layer, dtype, others, starts) if others else None,
+            sub_batch(meta, layer, dtype, others, starts) if others else None,
             torch.arange(len(rows)),
         )
 
@@ -338,35 +329,6 @@ class CascadeDecode:
             key, layers, [(m, c, s) for m, c, s, _ in masters], list(generated), capacity_left
         )
 
-    def _others(
-        self, meta: Any, layer: Any, dtype: torch.dtype, rows: list[int], starts: list[int]
-    ) -> _Others:
-        from vllm import _custom_ops as ops
-        from vllm import envs
-
-        tokens = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows])
-        lens = torch.tensor([starts[i + 1] - starts[i] for i in rows], dtype=torch.int32)
-        query_start_loc = torch.cat((torch.zeros(1, dtype=torch.int32), lens.cumsum(0).int()))
-        index = torch.tensor(rows)
-        seq_lens = meta.seq_lens[index].contiguous()
-        schedule = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(rows),
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            seq_lens=seq_lens,
-            dtype=dtype,
-            query_start_loc=query_start_loc,
-            causal=bool(meta.causal),
-            sliding_window_size=-1,
-            isa=layer.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            dynamic_causal=None,
-            kv_cache_dtype=layer.impl.kv_cache_dtype,
-        )
-        block_table = meta.block_table[index].contiguous()
-        return _Others(tokens, query_start_loc, seq_lens, block_table, schedule)
-
 
 def _grown(old: _Composition, extra: int) -> _Composition:
     """``old`` with ``extra`` more own columns per layer (copied, not gathered again)."""
@@ -381,37 +343,3 @@ def _grown(old: _Composition, extra: int) -> _Composition:
         bias = torch.cat((buffers.bias[:, :width], pad, buffers.bias[:, width:]), dim=1)
         layers.append(_Layer(OwnRows(new_k, new_v), buffers.first_free, bias))
     return old._replace(layers=layers, capacity=old.capacity + extra)
-
-
-def _kernel(
-    layer: Any, cache: torch.Tensor, query: torch.Tensor, sub: _Others, causal: bool
-) -> torch.Tensor:
-    """vLLM's CPU attention kernel on a sub-batch: [t, H, D] in the query dtype."""
-    from vllm import _custom_ops as ops
-
-    impl = layer.impl
-    blocks, heads, block_size, _ = cache.shape
-    base = cache.view(blocks, heads, 2 * block_size, -1)
-    key_cache, value_cache = base.chunk(2, dim=2)
-    out = torch.empty_like(query)
-    ops.cpu_attention_with_kv_cache(
-        query=query.contiguous(),
-        key_cache=key_cache,
-        value_cache=value_cache,
-        output=out,
-        query_start_loc=sub.query_start_loc,
-        seq_lens=sub.seq_lens,
-        scale=impl.scale,
-        causal=causal,
-        alibi_slopes=impl.alibi_slopes,
-        sliding_window=impl.sliding_window,
-        block_table=sub.block_table,
-        softcap=impl.logits_soft_cap,
-        scheduler_metadata=sub.schedule,
-        s_aux=impl.sinks,
-        dynamic_causal=None,
-        k_scale=layer._k_scale_float,
-        v_scale=layer._v_scale_float,
-        kv_cache_dtype=impl.kv_cache_dtype,
-    )
-    return out

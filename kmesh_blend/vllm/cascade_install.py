@@ -95,7 +95,7 @@ def _attach(impl: Any, decode: CascadeDecode, index: int) -> None:
 
 
 def _unsupported(layer: Any, layout: PagedLayout) -> str | None:
-    impl = getattr(layer, "impl", None)
+    impl: Any = getattr(layer, "impl", None)
     if type(impl).__name__.removeprefix("KMeshCascade") != "CPUAttentionBackendImpl":
         return f"attention backend {type(impl).__name__} (only vLLM's CPU backend is wired)"
     if layout.name not in ("cpu_rows", "cpu_k_transposed"):
@@ -205,9 +205,8 @@ def _scratch_run(
         slot_mapping=torch.zeros(6, dtype=torch.int64),
         scheduler_metadata=schedule,
     )
-    stock = type(layer.impl).forward
-    if getattr(type(layer.impl), "_kmesh_cascade", False):
-        stock = type(layer.impl).__mro__[1].forward
+    cls: Any = type(layer.impl)
+    stock = cls.__mro__[1].forward if getattr(cls, "_kmesh_cascade", False) else cls.forward
 
     def stock_forward(*args: Any) -> torch.Tensor:
         return stock(layer.impl, *args)
