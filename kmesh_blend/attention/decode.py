@@ -27,7 +27,8 @@ MASKED = -1.0e30
 
 class OwnRows(NamedTuple):
     """Each request's own rows, padded to U: k_t [n, Hkv, D, U] (keys, transposed for the score
-    product; fp32, or converted on use) and v [n, Hkv, U, D] in the KV cache dtype."""
+    product; fp32, or converted on use) and v [n, Hkv, U, D] (fp32, or 16-bit: see
+    `decode_cascade`)."""
 
     k_t: torch.Tensor
     v: torch.Tensor
@@ -35,9 +36,8 @@ class OwnRows(NamedTuple):
 
 class MasterRows(NamedTuple):
     """A shared master: k_t [Hkv, D, S] (keys rotated at the master's positions, transposed; fp32,
-    or converted on use) and v [Hkv, S, D] in the KV cache dtype, and per request the rotation of
-    its query by −Δ
-    (`rotation_tables`): cos / signed_sin [n, D] fp32."""
+    or converted on use), v [Hkv, S, D] (fp32, or 16-bit: see `decode_cascade`), and per request
+    the rotation of its query by −Δ (`rotation_tables`): cos / signed_sin [n, D] fp32."""
 
     k_t: torch.Tensor
     v: torch.Tensor
@@ -66,11 +66,10 @@ def decode_cascade(
     them all. Returns [n, H, D] fp32: softmax attention over each request's materialized
     context, summed in another order.
 
-    Precision: scores and softmax in fp32 always. With fp32 KV everything is fp32 (within 1e-5
-    of attention over the materialized context). With 16-bit KV the value product runs in the
-    KV dtype (its V rows are exact there; the weights are rounded to it, ≈ 2⁻⁹ relative, and so
-    is each product's output — about what rounding the output to bf16 costs anyway), which
-    halves its cost; the start-up self-check bounds the difference to vLLM's kernel.
+    Precision: scores and softmax in fp32 always; with fp32 values everything is fp32 (within
+    1e-5 of attention over the materialized context). 16-bit values make the value product run
+    in their dtype (the weights rounded to it, ≈ 2⁻⁹ relative, and each product's output): half
+    the cost, but further from vLLM's kernel, so the vLLM path passes fp32 values.
     """
     n, heads, dim = q.shape
     kv_heads, _, width = own.k_t.shape[1:]

@@ -203,7 +203,7 @@ class CascadeDecode:
         cols = buffers.first_free + step.generated
         shape = (rows.numel(), self.num_kv_heads, self.head_dim)
         buffers.own.k_t[rows, :, :, cols] = key[step.tokens].reshape(shape).float()
-        buffers.own.v[rows, :, cols] = value[step.tokens].reshape(shape).to(buffers.own.v.dtype)
+        buffers.own.v[rows, :, cols] = value[step.tokens].reshape(shape).float()
         buffers.bias[rows, cols] = 0.0
         masters = [
             MasterRows(m.k_t[index], m.v[index], cos, sin)
@@ -305,9 +305,9 @@ class CascadeDecode:
         for layer, cache in enumerate(self.caches):
             prompt = [plan.own_slots[layer] for _, plan in chosen]
             width = max(int(p.numel()) for p in prompt) + capacity
-            dtype = cache.dtype
-            k_t = torch.zeros(n, self.num_kv_heads, self.head_dim, width)  # fp32: see SharedMaster
-            v = torch.zeros(n, self.num_kv_heads, width, self.head_dim, dtype=dtype)
+            # fp32 whatever the KV dtype, as the masters (`SharedMaster`)
+            k_t = torch.zeros(n, self.num_kv_heads, self.head_dim, width)
+            v = torch.zeros(n, self.num_kv_heads, width, self.head_dim)
             parts = [torch.full((n, width), MASKED)]
             for r, ((i, plan), own) in enumerate(zip(chosen, prompt, strict=True)):
                 pos = torch.arange(plan.num_tokens, plan.num_tokens + generated[r])
@@ -315,7 +315,7 @@ class CascadeDecode:
                 slots = torch.cat((own, blocks * block_size + pos % block_size))
                 rk, rv = self.layout.read(cache, slots.to(cache.device))
                 k_t[r, :, :, : slots.numel()] = rk.cpu().float().permute(1, 2, 0)
-                v[r, :, : slots.numel()] = rv.cpu().transpose(0, 1)
+                v[r, :, : slots.numel()] = rv.cpu().float().transpose(0, 1)
                 parts[0][r, : slots.numel()] = 0.0
             for master, _, _, group in masters:
                 reads = torch.full((n, master.v.shape[2]), MASKED)

@@ -34,10 +34,10 @@ class MasterUse:
 
 @dataclass
 class SharedMaster:
-    """A master in the layout the decode reads: k_t [L, Hkv, D, S] fp32 (the score product runs
-    in fp32; converting once beats converting every step) and v [L, Hkv, S, D] in the KV cache
-    dtype; ``first`` its first stored position; ``users`` how many live plans read it (freed
-    at 0)."""
+    """A master in the layout the decode reads: k_t [L, Hkv, D, S] and v [L, Hkv, S, D], fp32
+    whatever the KV dtype (the decode computes in fp32; converting once beats converting every
+    step, and a 16-bit value product measured further from vLLM's kernel); ``first`` its first
+    stored position; ``users`` how many live plans read it (freed at 0)."""
 
     k_t: torch.Tensor
     v: torch.Tensor
@@ -47,8 +47,9 @@ class SharedMaster:
     @classmethod
     def of(cls, master: Any, dtype: torch.dtype) -> SharedMaster:
         kv = master.kv
+        # Through the cache dtype first: the values the paged copies hold.
         k = kv[:, 0].to(dtype).float().permute(0, 2, 3, 1).contiguous()
-        v = kv[:, 1].to(dtype).permute(0, 2, 1, 3).contiguous()
+        v = kv[:, 1].to(dtype).float().permute(0, 2, 1, 3).contiguous()
         return cls(k, v, int(master.positions[0]))
 
 
