@@ -36,7 +36,7 @@ from kmesh_blend.vllm.paged import PagedLayout
 from kmesh_blend.vllm.sub_batch import SubBatch, sub_batch
 from kmesh_blend.vllm.sub_batch import attend as attend_sub_batch
 
-__all__ = ["CascadeDecode", "MasterUse", "pause"]
+__all__ = ["CascadeDecode", "Heads", "MasterUse", "pause"]
 
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
@@ -51,6 +51,14 @@ def pause(paused: bool) -> None:
     plans stay. For benchmarks that compare both in one engine."""
     global _paused
     _paused = paused
+
+
+class Heads(NamedTuple):
+    """Attention heads of this rank: query heads, KV heads, head size."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
 
 class _Layer(NamedTuple):
@@ -93,13 +101,11 @@ class CascadeDecode:
         caches: list[torch.Tensor],
         layout: PagedLayout,
         rope: Any,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
+        heads: Heads,
         req_ids: ReqIds,
     ) -> None:
         self.layers, self.caches, self.layout, self.rope = layers, caches, layout, rope
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = heads
         self.req_ids = req_ids
         self.plans: dict[str, DecodePlan] = {}
         self.masters: dict[str, SharedMaster] = {}

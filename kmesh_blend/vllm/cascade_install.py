@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse, ReqIds
+from kmesh_blend.vllm.cascade_decode import CascadeDecode, Heads, MasterUse, ReqIds
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 
 __all__ = ["install"]
@@ -30,19 +30,17 @@ def install(
     caches: list[torch.Tensor],
     layout: PagedLayout,
     rope: Any,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
+    heads: Heads,
     req_ids: ReqIds,
 ) -> tuple[CascadeDecode | None, str | None]:
     """(the installed path, None), or (None, why it stays off)."""
     problem = _unsupported(layers[0], layout)
     if problem is None:
-        problem = _self_check(layers[0], caches[0], layout, rope, num_heads, num_kv_heads, head_dim)
+        problem = _self_check(layers[0], caches[0], layout, rope, heads)
     if problem is not None:
         log.warning("kmesh: cascade decode stays off: %s", problem)
         return None, problem
-    decode = CascadeDecode(layers, caches, layout, rope, num_heads, num_kv_heads, head_dim, req_ids)
+    decode = CascadeDecode(layers, caches, layout, rope, heads, req_ids)
     for index, layer in enumerate(layers):
         _attach(layer.impl, decode, index)
     log.info("kmesh: cascade decode on for %d attention layers (self-check passed)", len(layers))
@@ -108,17 +106,11 @@ def _unsupported(layer: Any, layout: PagedLayout) -> str | None:
 
 
 def _self_check(
-    layer: Any,
-    cache: torch.Tensor,
-    layout: PagedLayout,
-    rope: Any,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
+    layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any, heads: Heads
 ) -> str | None:
     """Run the cascade path and vLLM's kernel on scratch blocks; None when they agree."""
     try:
-        got, want = _scratch_run(layer, cache, layout, rope, num_heads, num_kv_heads, head_dim)
+        got, want = _scratch_run(layer, cache, layout, rope, heads)
     except Exception as exc:  # any failure: keep vLLM's forward
         return f"self-check failed: {type(exc).__name__}: {exc}"
     tol = 1e-4 if cache.dtype == torch.float32 else 3e-2
@@ -132,19 +124,14 @@ class _Master:
 
 
 def _scratch_run(
-    layer: Any,
-    cache: torch.Tensor,
-    layout: PagedLayout,
-    rope: Any,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
+    layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any, heads: Heads
 ) -> tuple[torch.Tensor, ...]:
     from vllm import _custom_ops as ops
     from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
     bs, dtype = layout.block_size, cache.dtype
+    num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -213,16 +200,7 @@ def _scratch_run(
 
     key, value = torch.cat(keys), torch.cat(values)
     want = stock_forward(layer, query, key, value, scratch, meta, torch.zeros_like(query))
-    decode = CascadeDecode(
-        [layer],
-        [scratch],
-        layout,
-        rope,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        lambda n: ["a", "b", "c"][:n],
-    )
+    decode = CascadeDecode([layer], [scratch], layout, rope, heads, lambda n: ["a", "b", "c"][:n])
     for name, (offset, prompt, _), ids in zip("ab", shapes, blocks, strict=False):
         decode.add(name, ids, prompt, [MasterUse("m", offset, offset + size, master)])
     got = decode.forward(

@@ -36,7 +36,7 @@ from kmesh_blend.segments.identity import SegmentId
 from kmesh_blend.segments.index import SegmentIndex
 from kmesh_blend.segments.master import MasterLayout
 from kmesh_blend.segments.store import open_store
-from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse
+from kmesh_blend.vllm.cascade_decode import CascadeDecode, Heads, MasterUse
 from kmesh_blend.vllm.cascade_install import install as install_cascade
 from kmesh_blend.vllm.meta import VLLM_TAIL, KMeshMetadata, KMeshWorkerMetadata, LoadRequest
 from kmesh_blend.vllm.model import VllmModel, check_decomposition
@@ -145,7 +145,7 @@ class WorkerSide:
             else:
                 self.cascade, self.cascade_off = install_cascade(
                     [self.attn_layers[n] for n in names], self.kv_caches, self.paged,
-                    self.model.rope, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                    self.model.rope, Heads(shape.num_heads, shape.num_kv_heads, shape.head_dim),
                     self.batch_ids,
                 )  # fmt: skip
 
