@@ -10,9 +10,9 @@ armed attend through `kmesh_blend.attention.decode.decode_cascade`: each master'
 for all its readers (rows a reader replaced masked for it), and each request's own rows (its
 other prompt rows, copied out of its blocks when the set of decoding requests forms, and its
 generated rows, appended from the forward's key/value every step). Every other request of the
-step runs on vLLM's own kernel as a sub-batch (`kmesh_blend.vllm.sub_batch`); a step with no
-cascade request, or whose metadata is anything but plain causal attention, runs vLLM's forward
-unchanged. An exception inside the path hands every later step to vLLM's forward.
+step runs on vLLM's own kernel as a sub-batch (`kmesh_blend.vllm.paged_attention.sub_batch`); a
+step with no cascade request, or whose metadata is anything but plain causal attention, runs
+vLLM's forward unchanged. An exception inside the path hands every later step to vLLM's forward.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from kmesh_blend.attention.decode import (
 )
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout
-from kmesh_blend.vllm.sub_batch import SubBatch, sub_batch
-from kmesh_blend.vllm.sub_batch import attend as attend_sub_batch
+from kmesh_blend.vllm.paged_attention import KernelBatch, run_kernel, sub_batch
 
 __all__ = ["CascadeDecode", "Heads", "MasterUse", "pause"]
 
@@ -86,7 +85,7 @@ class _Step(NamedTuple):
     tokens: torch.Tensor  # [n] int64 query rows of the cascade requests
     composition: _Composition
     generated: torch.Tensor  # [n] int64: generated rows before this step's token
-    others: SubBatch | None
+    others: tuple[torch.Tensor, KernelBatch] | None
     rows: torch.Tensor  # [n] int64: 0..n-1
 
 
@@ -180,9 +179,8 @@ class CascadeDecode:
             got = self._attend(index, step, layer, query, key, value)
             others = None
             if step.others is not None:
-                others = attend_sub_batch(
-                    layer, kv_cache, query[step.others.tokens], step.others, meta.causal
-                )
+                tokens, batch = step.others
+                others = run_kernel(layer, kv_cache, query[tokens], batch)
         except Exception as exc:  # never serve doubtful KV: this and later steps run stock
             self._break(exc)
             self._step = None
@@ -191,7 +189,7 @@ class CascadeDecode:
         out = output[:num].view(num, self.num_heads, self.head_dim)
         out[step.tokens] = got.to(out.dtype)
         if others is not None and step.others is not None:
-            out[step.others.tokens] = others
+            out[step.others[0]] = others
         return output
 
     def _attend(
@@ -275,7 +273,7 @@ class CascadeDecode:
         generated = [seq_lens[i] - 1 - plan.num_tokens for i, plan in chosen]
         composition = self._compose(meta, chosen, generated)
         self._composition = composition._replace(filled=[g + 1 for g in generated])
-        others = [i for i in range(num_reqs) if i not in set(rows)]
+        others = sorted(set(range(num_reqs)) - set(rows))
         return _Step(
             torch.tensor([starts[i] for i in rows], dtype=torch.int64),
             self._composition,
@@ -330,9 +328,8 @@ class CascadeDecode:
                 parts.append(reads)
             first_free = torch.tensor([int(p.numel()) for p in prompt], dtype=torch.int64)
             layers.append(_Layer(OwnRows(k_t, v), first_free, torch.cat(parts, dim=1)))
-        capacity_left = capacity  # generated rows that fit after every request's prompt part
         return _Composition(
-            key, layers, [(m, c, s) for m, c, s, _ in masters], list(generated), capacity_left
+            key, layers, [(m, c, s) for m, c, s, _ in masters], list(generated), capacity
         )
 
 

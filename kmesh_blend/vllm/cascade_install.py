@@ -17,6 +17,7 @@ import torch
 
 from kmesh_blend.vllm.cascade_decode import CascadeDecode, Heads, MasterUse, ReqIds
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
+from kmesh_blend.vllm.paged_attention import kernel_batch
 
 __all__ = ["install"]
 
@@ -126,8 +127,6 @@ class _Master:
 def _scratch_run(
     layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any, heads: Heads
 ) -> tuple[torch.Tensor, ...]:
-    from vllm import _custom_ops as ops
-    from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
     bs, dtype = layout.block_size, cache.dtype
@@ -167,21 +166,7 @@ def _scratch_run(
     table = torch.tensor([b + [0] * (4 - len(b)) for b in blocks], dtype=torch.int32)
     query = rope.apply(rand(6, num_heads, head_dim), torch.tensor([25, 26, 27, 28, 29, 30]))
     query = query.to(dtype)
-    schedule = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=3,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        seq_lens=seq_lens,
-        dtype=dtype,
-        query_start_loc=query_start_loc,
-        causal=True,
-        sliding_window_size=-1,
-        isa=layer.isa,
-        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-        dynamic_causal=None,
-        kv_cache_dtype=layer.impl.kv_cache_dtype,
-    )
+    schedule = kernel_batch(layer, query_start_loc, seq_lens, table, dtype).metadata
     meta = CPUAttentionMetadata(
         num_actual_tokens=6,
         max_query_len=4,

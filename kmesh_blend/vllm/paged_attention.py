@@ -8,7 +8,8 @@ blocks, and the computed tokens, grouped into runs of consecutive positions, att
 right causal: exactly the causal mask of those queries).
 
 It is used only after a start-up self-check against the reference attention passes; otherwise the
-blend keeps the reference path (one log line).
+blend keeps the reference path (one log line). The module owns every call of that kernel:
+`kernel_batch` / `run_kernel`, and `sub_batch` for the cascade decode path's other requests.
 """
 
 from __future__ import annotations
@@ -21,21 +22,76 @@ import torch
 
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 
-__all__ = ["PagedAttention"]
+__all__ = ["KernelBatch", "PagedAttention", "kernel_batch", "run_kernel", "sub_batch"]
 
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 Hook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class _Runs(NamedTuple):
-    """Kernel inputs for one set of query positions: [R+1] int32 query starts, [R] int32
-    sequence ends, [R, blocks] int32 block table, and the kernel's schedule."""
+class KernelBatch(NamedTuple):
+    """vLLM kernel inputs for R causal "requests": [R+1] int32 query starts, [R] int32 sequence
+    ends, [R, blocks] int32 block table, and the kernel's schedule (`kernel_batch`)."""
 
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     metadata: Any
+
+
+def kernel_batch(layer: Any, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 block_table: torch.Tensor, dtype: torch.dtype) -> KernelBatch:  # fmt: skip
+    """The batch with the kernel's schedule for it (it depends on shapes, not on values), built
+    with the settings vLLM's own attention metadata uses, so a request gets vLLM's bits."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    impl = layer.impl
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=int(seq_lens.numel()), num_heads=impl.num_heads,
+        num_kv_heads=impl.num_kv_heads, head_dim=impl.head_size, seq_lens=seq_lens, dtype=dtype,
+        query_start_loc=query_start_loc, causal=True, sliding_window_size=-1, isa=layer.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+        kv_cache_dtype=impl.kv_cache_dtype,
+    )  # fmt: skip
+    return KernelBatch(query_start_loc, seq_lens, block_table, metadata)
+
+
+def run_kernel(
+    layer: Any, cache: torch.Tensor, q: torch.Tensor, batch: KernelBatch
+) -> torch.Tensor:
+    """vLLM's CPU attention kernel, causal: q [t, H, D] over ``cache`` (one layer's paged KV)
+    → [t, H, D] in q's dtype."""
+    from vllm import _custom_ops as ops
+
+    impl = layer.impl
+    blocks, kv_heads, block_size, _ = cache.shape
+    key_cache, value_cache = cache.view(blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+    out = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(
+        query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
+        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, scale=impl.scale,
+        causal=True, alibi_slopes=impl.alibi_slopes, sliding_window=impl.sliding_window,
+        block_table=batch.block_table, softcap=impl.logits_soft_cap,
+        scheduler_metadata=batch.metadata, s_aux=None, dynamic_causal=None,
+        k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+        kv_cache_dtype=impl.kv_cache_dtype,
+    )  # fmt: skip
+    return out
+
+
+def sub_batch(meta: Any, layer: Any, dtype: torch.dtype, rows: list[int],
+              starts: list[int]) -> tuple[torch.Tensor, KernelBatch]:  # fmt: skip
+    """Requests ``rows`` of a step (``meta``: vLLM's CPU attention metadata, causal; ``starts``:
+    its query starts as a list) as a kernel batch of their own, with their query rows [t] int64.
+    The cascade decode path runs the step's other requests this way."""
+    tokens = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows])
+    lens = torch.tensor([starts[i + 1] - starts[i] for i in rows], dtype=torch.int32)
+    query_start_loc = torch.cat((torch.zeros(1, dtype=torch.int32), lens.cumsum(0).int()))
+    index = torch.tensor(rows)
+    batch = kernel_batch(layer, query_start_loc, meta.seq_lens[index].contiguous(),
+                         meta.block_table[index].contiguous(), dtype)  # fmt: skip
+    return tokens, batch
 
 
 class PagedAttention:
@@ -75,7 +131,7 @@ class PagedAttention:
         slots = slot_mapping(block_ids, self.block_size, first, num_tokens)
         table = torch.tensor(block_ids, dtype=torch.int32)
 
-        runs: list[tuple[torch.Tensor, _Runs]] = []  # for the last q_positions tensor
+        runs: list[tuple[torch.Tensor, KernelBatch]] = []  # for the last q_positions tensor
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    q_positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -87,57 +143,23 @@ class PagedAttention:
             # set changes: the runs and the kernel's schedule are built once for it.
             if not runs or runs[0][0] is not q_positions:
                 runs[:] = [(q_positions, self._runs(layer, table, q, q_positions))]
-            return self._attend(layer, cache, q, runs[0][1])
+            return run_kernel(self.layers[layer], cache, q, runs[0][1])
 
         return attend
 
     # --- helpers --------------------------------------------------------------------------------
 
     def _runs(self, layer: int, table: torch.Tensor, q: torch.Tensor,
-              q_positions: torch.Tensor) -> _Runs:  # fmt: skip
+              q_positions: torch.Tensor) -> KernelBatch:  # fmt: skip
         """Runs of consecutive positions become causal "requests" ending at the run's last
-        token; with the kernel's schedule for them (it depends on shapes, not on values), built
-        with the settings vLLM's own attention metadata uses, so a full run gives its bits."""
-        from vllm import _custom_ops as ops
-        from vllm import envs
-
-        attn = self.layers[layer]
+        token (a full run gives vLLM's bits)."""
         breaks = torch.nonzero(q_positions[1:] != q_positions[:-1] + 1).squeeze(1) + 1
         starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
         ends = torch.cat([breaks, torch.tensor([q_positions.numel()])])
         query_start_loc = torch.cat([starts, ends[-1:]]).to(torch.int32)
         seq_lens = (q_positions[ends - 1] + 1).to(torch.int32)
-        num_runs = int(starts.numel())
-        block_table = table[None, :].expand(num_runs, -1).contiguous()
-        metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=num_runs, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, seq_lens=seq_lens, dtype=q.dtype,
-            query_start_loc=query_start_loc, causal=True, sliding_window_size=-1,
-            isa=attn.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
-            kv_cache_dtype=attn.impl.kv_cache_dtype,
-        )  # fmt: skip
-        return _Runs(query_start_loc, seq_lens, block_table, metadata)
-
-    def _attend(
-        self, layer: int, cache: torch.Tensor, q: torch.Tensor, runs: _Runs
-    ) -> torch.Tensor:
-        from vllm import _custom_ops as ops
-
-        attn = self.layers[layer]
-        impl = attn.impl
-        base = cache.view(cache.shape[0], self.num_kv_heads, 2 * self.block_size, self.head_dim)
-        key_cache, value_cache = base.chunk(2, dim=2)
-        out = torch.empty_like(q)
-        ops.cpu_attention_with_kv_cache(
-            query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
-            query_start_loc=runs.query_start_loc, seq_lens=runs.seq_lens, scale=impl.scale,
-            causal=True, alibi_slopes=impl.alibi_slopes, sliding_window=impl.sliding_window,
-            block_table=runs.block_table, softcap=impl.logits_soft_cap,
-            scheduler_metadata=runs.metadata, s_aux=None, dynamic_causal=None,
-            k_scale=attn._k_scale_float, v_scale=attn._v_scale_float,
-            kv_cache_dtype=impl.kv_cache_dtype,
-        )  # fmt: skip
-        return out
+        block_table = table[None, :].expand(int(starts.numel()), -1).contiguous()
+        return kernel_batch(self.layers[layer], query_start_loc, seq_lens, block_table, q.dtype)
 
     def _self_check(self, reference: Any) -> str | None:
         """Compare with the reference attention on scratch blocks (not the live cache)."""

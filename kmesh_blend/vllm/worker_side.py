@@ -82,11 +82,7 @@ class WorkerSide:
         self.config, self.block_size = config, block_size
         self.batch_ids = batch_ids  # ids of the step's requests in batch order (cascade decode)
         self.cascade: CascadeDecode | None = None
-        self.cascade_off: str | None = (
-            "kmesh.cascade_decode is off"
-            if not config.cascade_decode
-            else "the paged KV layout is unknown"
-        )
+        self.cascade_off: str | None = "the paged KV layout is unknown"  # reported when it is on
         self.model, self.unsupported = _adapt(model, hf_config, dtype)
         config.validate_for_model(self.model.shape.num_layers)
         shape = self.model.shape
