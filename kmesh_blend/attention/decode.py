@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MASKED", "MasterRows", "OwnRows", "decode_cascade", "rotation_tables"]
+__all__ = ["MASKED", "MasterRows", "OwnRows", "decode_cascade"]
 
 # Additive score bias of a masked key (a padding row, or a master row a request does not read).
 # Finite, so that a row masked everywhere gives exp(−1e30 − max) = 0, never 0/0.
@@ -36,22 +36,13 @@ class OwnRows(NamedTuple):
 
 class MasterRows(NamedTuple):
     """A shared master: k_t [Hkv, D, S] (keys rotated at the master's positions, transposed; fp32,
-    or converted on use), v [Hkv, S, D] (fp32, or 16-bit: see `decode_cascade`), and per request
-    the rotation of its query by −Δ (`rotation_tables`): cos / signed_sin [n, D] fp32."""
+    or converted on use), v [Hkv, S, D] (fp32, or 16-bit: see `decode_cascade`), and q [n, H, D]
+    fp32, each request's query rotated on by −Δ into the master's frame (the model's
+    `RotaryEmbedding.apply` at positions −Δ)."""
 
     k_t: torch.Tensor
     v: torch.Tensor
-    cos: torch.Tensor
-    signed_sin: torch.Tensor
-
-
-def rotation_tables(deltas: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(cos, signed_sin) [u, D] fp32 rotating a query by −``deltas`` [u] (neox pairing, as
-    `kmesh_blend.models.rope.RotaryEmbedding`): x·cos + swap(x)·signed_sin."""
-    angles = -deltas.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
-    cos = torch.cat((angles, angles), dim=-1).cos().float()
-    sin = angles.sin().float()
-    return cos, torch.cat((-sin, sin), dim=-1)
+    q: torch.Tensor
 
 
 def decode_cascade(
@@ -80,12 +71,8 @@ def decode_cascade(
             qf.reshape(n * kv_heads, group, dim), own.k_t.reshape(n * kv_heads, dim, width).float()
         ).view(n, kv_heads, group, width)
     ]
-    flat_q = qf.view(n, heads, dim)
-    half = dim // 2
-    swapped = torch.cat((flat_q[..., half:], flat_q[..., :half]), dim=-1)
     for m in masters:
-        qm = flat_q * m.cos[:, None, :] + swapped * m.signed_sin[:, None, :]
-        qm = qm.view(n, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, n * group, dim)
+        qm = m.q.view(n, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, n * group, dim)
         parts.append(torch.bmm(qm, m.k_t.float()).view(kv_heads, n, group, -1).transpose(0, 1))
     scores = torch.cat(parts, dim=-1).mul_(scale).add_(bias[:, None, None, :])
     probs = torch.softmax(scores, dim=-1).to(own.v.dtype)  # [n, Hkv, G, U + ΣS]

@@ -29,7 +29,6 @@ from kmesh_blend.attention.decode import (
     MasterRows,
     OwnRows,
     decode_cascade,
-    rotation_tables,
 )
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout
@@ -76,7 +75,7 @@ class _Layer(NamedTuple):
 class _Composition(NamedTuple):
     key: tuple[str, ...]
     layers: list[_Layer]
-    masters: list[tuple[SharedMaster, torch.Tensor, torch.Tensor]]  # with cos, signed_sin [n, D]
+    masters: list[tuple[SharedMaster, torch.Tensor]]  # with −Δ per request [n] int64
     filled: list[int]  # generated rows in the buffers, per request (all layers)
     capacity: int  # own columns C − the widest prompt part: room for generated rows
 
@@ -209,13 +208,13 @@ class CascadeDecode:
         buffers.own.k_t[rows, :, :, cols] = key[step.tokens].reshape(shape).float()
         buffers.own.v[rows, :, cols] = value[step.tokens].reshape(shape).float()
         buffers.bias[rows, cols] = 0.0
+        query_f32 = query[step.tokens].float()
         masters = [
-            MasterRows(m.k_t[index], m.v[index], cos, sin)
-            for m, cos, sin in step.composition.masters
+            # The same −Δ tensor every layer: the rotary tables are memoized for it.
+            MasterRows(m.k_t[index], m.v[index], self.rope.apply(query_f32, back))
+            for m, back in step.composition.masters
         ]
-        return decode_cascade(
-            query[step.tokens], buffers.own, masters, buffers.bias, layer.impl.scale
-        )
+        return decode_cascade(query_f32, buffers.own, masters, buffers.bias, layer.impl.scale)
 
     def _break(self, exc: Exception) -> None:
         self.broken = f"{type(exc).__name__}: {exc}"
@@ -303,8 +302,7 @@ class CascadeDecode:
             deltas = torch.zeros(n, dtype=torch.int64)
             for r, use, _ in group:
                 deltas[r] = use.start - master.first
-            cos, signed_sin = rotation_tables(deltas, self.rope.inv_freq)
-            masters.append((master, cos, signed_sin, group))
+            masters.append((master, -deltas, group))
         layers = []
         for layer, cache in enumerate(self.caches):
             prompt = [plan.own_slots[layer] for _, plan in chosen]
@@ -321,7 +319,7 @@ class CascadeDecode:
                 k_t[r, :, :, : slots.numel()] = rk.cpu().float().permute(1, 2, 0)
                 v[r, :, : slots.numel()] = rv.cpu().float().transpose(0, 1)
                 parts[0][r, : slots.numel()] = 0.0
-            for master, _, _, group in masters:
+            for master, _, group in masters:
                 reads = torch.full((n, master.v.shape[2]), MASKED)
                 for r, _, rows in group:
                     reads[r] = torch.where(rows[layer], 0.0, MASKED)
@@ -329,7 +327,7 @@ class CascadeDecode:
             first_free = torch.tensor([int(p.numel()) for p in prompt], dtype=torch.int64)
             layers.append(_Layer(OwnRows(k_t, v), first_free, torch.cat(parts, dim=1)))
         return _Composition(
-            key, layers, [(m, c, s) for m, c, s, _ in masters], list(generated), capacity
+            key, layers, [(m, back) for m, back, _ in masters], list(generated), capacity
         )
 
 

@@ -19,7 +19,6 @@ from kmesh_blend.attention.decode import (
     MasterRows,
     OwnRows,
     decode_cascade,
-    rotation_tables,
 )
 from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
 
@@ -82,11 +81,12 @@ def _problem(n: int, num_masters: int, replaced: float, dtype: torch.dtype, seed
         v_pad[r, :, : k.shape[0]] = v.float().transpose(0, 1)
         bias[0][r, : k.shape[0]] = 0.0
     rows = []
+    q_all = torch.cat(queries).float()
     for g, ((mk, mv), first) in enumerate(zip(masters, firsts, strict=True)):
         deltas = torch.tensor([(reads[r][g][1] or first) - first for r in range(n)])
-        cos, sin = rotation_tables(deltas, rope.inv_freq)
+        moved_q = rope.apply(q_all, -deltas)  # into the master's frame
         rows.append(
-            MasterRows(mk.permute(1, 2, 0).contiguous(), mv.transpose(0, 1).contiguous(), cos, sin)
+            MasterRows(mk.permute(1, 2, 0).contiguous(), mv.transpose(0, 1).contiguous(), moved_q)
         )
         bias.append(torch.stack([torch.where(reads[r][g][0], 0.0, MASKED) for r in range(n)]))
     own_rows = OwnRows(k_t.to(dtype), v_pad.to(dtype))  # in the KV dtype, as the engine keeps them
@@ -114,17 +114,11 @@ def test_a_wrong_rotation_is_caught() -> None:
     got, want = _problem(4, 1, 0.15, torch.float32)
     gen = torch.Generator().manual_seed(0)
     rope = RotaryEmbedding(RopeConfig(head_dim=DIM))
-    cos, sin = rotation_tables(torch.full((1,), 7), rope.inv_freq)
     q = torch.randn(1, HEADS, DIM, generator=gen)
     own = OwnRows(torch.randn(1, KV_HEADS, DIM, 2), torch.randn(1, KV_HEADS, 2, DIM))
-    master = MasterRows(torch.randn(KV_HEADS, DIM, 5), torch.randn(KV_HEADS, 5, DIM), cos, sin)
+    moved_q = rope.apply(q, torch.full((1,), -7))
+    master = MasterRows(torch.randn(KV_HEADS, DIM, 5), torch.randn(KV_HEADS, 5, DIM), moved_q)
     right = decode_cascade(q, own, [master], torch.zeros(1, 7), SCALE)
-    wrong = decode_cascade(
-        q,
-        own,
-        [master._replace(cos=torch.ones_like(cos), signed_sin=torch.zeros_like(sin))],
-        torch.zeros(1, 7),
-        SCALE,
-    )
+    wrong = decode_cascade(q, own, [master._replace(q=q)], torch.zeros(1, 7), SCALE)
     assert float((right - wrong).abs().max()) > 1e-3
     assert float((got - want).abs().max()) <= 1e-5
