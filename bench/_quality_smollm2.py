@@ -39,11 +39,14 @@ DOC_TOKENS = 192
 ANSWER_TOKENS = 32
 COMBINED_SINKS = 4
 SERVED_ANSWERS = ("deviation 0.15", "sink 0.15")
+GOAL_RATIOS = (0.5, 0.7)  # deviation rule only, per request: where the 0.99 goal is reached
+NEAR_TIE_GAPS = (0.1, 0.5)
 TIMED_PER_TASK = 2  # follow-ups per task whose TTFT is measured under every setting
 
 
 def rule_settings(doc_tokens: int = DOC_TOKENS) -> list[Setting]:
-    """Every rule at every ratio, per selection mode; ratios 0 and 1.0 once per mode."""
+    """Every rule at every ratio, per selection mode; ratios 0 and 1.0 once per mode; then the
+    deviation rule per request at `GOAL_RATIOS`."""
     out = []
     for selection in SELECTIONS:
         for ratio in RATIOS:
@@ -54,6 +57,7 @@ def rule_settings(doc_tokens: int = DOC_TOKENS) -> list[Setting]:
             if count > COMBINED_SINKS:  # else the combination is the sink rule itself
                 rest = (count - COMBINED_SINKS) / (doc_tokens - COMBINED_SINKS)
                 out.append(Setting(rest, selection, sink_tokens=COMBINED_SINKS))
+    out.extend(Setting(ratio) for ratio in GOAL_RATIOS)
     return out
 
 
@@ -62,7 +66,7 @@ def nominal(setting: Setting, doc_tokens: int = DOC_TOKENS) -> str:
     if setting.rule in ("none", "all"):
         return setting.rule
     count = setting.sink_tokens + keep_count(setting.ratio, doc_tokens - setting.sink_tokens)
-    share = min(RATIOS, key=lambda r: abs(keep_count(r, doc_tokens) - count))
+    share = min(RATIOS + GOAL_RATIOS, key=lambda r: abs(keep_count(r, doc_tokens) - count))
     return f"{setting.rule} {share:g}"
 
 
@@ -132,7 +136,7 @@ def served(llm: Any, tasks: list[ChatTask], settings: list[Setting], answers: bo
     }
 
 
-def engine(check_layers: tuple[int, ...]) -> tuple[Any, Any]:
+def engine(check_layers: tuple[int, ...], dtype: str = "float32") -> tuple[Any, Any]:
     """(vllm.LLM with KMesh, the blend's model inside it)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -141,7 +145,7 @@ def engine(check_layers: tuple[int, ...]) -> tuple[Any, Any]:
 
     llm = make_llm(
         smollm2_checkpoint(),
-        "float32",
+        dtype,
         enable_prefix_caching=False,
         kv_transfer_config=kv_transfer_config(store="cpu", check_layers=list(check_layers)),
     )
@@ -149,9 +153,31 @@ def engine(check_layers: tuple[int, ...]) -> tuple[Any, Any]:
 
 
 def close(llm: Any) -> None:
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
     del llm
     gc.collect()
+    ensure_kv_transfer_shutdown()  # the next in-process engine gets a connector of its own
     torch.set_num_threads(2)
+
+
+def precision_floor(tasks: list[ChatTask], refs: Any, log: Any) -> dict[str, Any]:
+    """The same full prefills on the same weights in bf16 (a second engine), scored against the
+    fp32 engine's answers like a blend: how much the model's own numerics move them."""
+    from kmesh_blend.quality.chat_harness import full_prefill_agreement
+
+    llm, model = engine((1,), "bfloat16")
+    try:
+        r = full_prefill_agreement(model, tasks, refs)
+    finally:
+        close(llm)
+    log(f"bf16 full prefill vs fp32: agreement {r.agreement:.4f}, KL {r.kl:.2e}")
+    return {
+        "agreement": round(r.agreement, 4),
+        "agreement_se": round(r.agreement_se, 4),
+        "kl": float(f"{r.kl:.4g}"),
+        "identical_answers": round(r.identical_answers, 4),
+    }
 
 
 def run(quick: bool, num_tasks: int, check_layers: tuple[int, ...]) -> dict[str, Any]:
@@ -159,7 +185,7 @@ def run(quick: bool, num_tasks: int, check_layers: tuple[int, ...]) -> dict[str,
     from transformers import AutoTokenizer
 
     from kmesh_blend.quality.chat import chat_tasks
-    from kmesh_blend.quality.chat_harness import evaluate_chat
+    from kmesh_blend.quality.chat_harness import evaluate_chat, near_ties, references
     from kmesh_blend.testing import smollm2_checkpoint
 
     began = time.perf_counter()
@@ -173,12 +199,14 @@ def run(quick: bool, num_tasks: int, check_layers: tuple[int, ...]) -> dict[str,
     llm, model = engine(check_layers)
     try:
         stop = (int(tokenizer.eos_token_id),)  # <|im_end|>: answers end with the turn
+        refs = references(model, tasks, ANSWER_TOKENS, log, stop)
         report = evaluate_chat(model, tasks, settings, check_layers, ANSWER_TOKENS, log,
-                               stop_ids=stop)  # fmt: skip
+                               refs=refs, stop_ids=stop)  # fmt: skip
         per_request = [s for s in settings if s.selection == "per_request"]
         serving = served(llm, tasks, per_request, answers=True, log=log)
     finally:
         close(llm)
+    floor = precision_floor(tasks, refs, log)
     seconds = time.perf_counter() - began
     table = [
         {
@@ -207,6 +235,7 @@ def run(quick: bool, num_tasks: int, check_layers: tuple[int, ...]) -> dict[str,
     best = max((r for r in mine if r["rule"].startswith("sink")), key=lambda r: r["agreement"])
     share = best["nominal"].split()[-1]
     rival = next(r for r in mine if r["nominal"] == f"deviation {share}")
+    reached = [r for r in mine if r["rule"] == "deviation" and r["agreement"] >= 0.99]
     exact = report.result(Setting(1.0))
     if not (exact.agreement == 1.0 and exact.kl == 0.0 and exact.identical_answers == 1.0):
         raise SystemExit(f"ratio 1.0 is not identical to full prefill: {exact}")
@@ -233,6 +262,9 @@ def run(quick: bool, num_tasks: int, check_layers: tuple[int, ...]) -> dict[str,
             "se": "clustered by task (families share documents and one group blend)",
             "reference_flips": report.reference_flips,
             "second_rule_best": {"best_sink_variant": best, "deviation_at_equal_tokens": rival},
+            "goal_reached_at_ratio": min((r["ratio"] for r in reached), default=None),
+            "bf16_full_prefill_vs_fp32": floor,
+            "near_ties": {str(g): round(v, 4) for g, v in near_ties(refs, NEAR_TIE_GAPS).items()},
             "table": table,
             **serving,
             "seconds": round(seconds, 1),

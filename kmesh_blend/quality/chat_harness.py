@@ -38,7 +38,16 @@ from kmesh_blend.quality.chat import ChatTask
 from kmesh_blend.quality.harness import Setting
 from kmesh_blend.quality.metrics import Comparison, compare, continuation_logits, greedy
 
-__all__ = ["ChatReport", "ChatResult", "Reference", "evaluate_chat", "references"]
+__all__ = [
+    "ChatReport",
+    "ChatResult",
+    "Reference",
+    "aggregate",
+    "evaluate_chat",
+    "full_prefill_agreement",
+    "near_ties",
+    "references",
+]
 
 
 class Reference(NamedTuple):
@@ -151,7 +160,7 @@ def evaluate_chat(
                 clusters.append(j)
                 reused += out.num_reused
                 recomputed += out.num_recomputed
-        results.append(_aggregate(setting, parts, kinds, clusters, recomputed / max(1, reused),
+        results.append(aggregate(setting, parts, kinds, clusters, recomputed / max(1, reused),
                                   seconds / len(tasks)))  # fmt: skip
         if progress is not None:
             r = results[-1]
@@ -170,10 +179,41 @@ def evaluate_chat(
     )
 
 
-def _aggregate(
+@torch.no_grad()
+def full_prefill_agreement(
+    model: LayerwiseModel, tasks: Sequence[ChatTask], refs: list[list[Reference]]
+) -> ChatResult:
+    """Every follow-up's full prefill by ``model`` (say, the same weights in bf16) scored against
+    ``refs`` (another engine's full prefill) like a blend: how far the model's own numerics move
+    the answers, the floor any blend's agreement is read against. ``setting``: ratio 1.0."""
+    parts: list[Comparison] = []
+    kinds: list[str] = []
+    clusters: list[int] = []
+    for j, (task, task_refs) in enumerate(zip(tasks, refs, strict=True)):
+        for request, ref in zip(task.requests, task_refs, strict=True):
+            full = prefill(model, request.blend_request().token_ids, last_only=True)
+            rows = continuation_logits(model, full.keys, full.values, full.logits, ref.answer)
+            parts.append(compare(ref.rows, rows.float(), ref.answer))
+            kinds.append(request.kind)
+            clusters.append(j)
+    return aggregate(Setting(1.0), parts, kinds, clusters, 1.0, 0.0)
+
+
+def near_ties(refs: list[list[Reference]], gaps: Sequence[float]) -> dict[float, float]:
+    """Share of answer positions whose reference top-1 leads its top-2 by less than each gap
+    (nats of log-probability): the positions a small perturbation flips."""
+    rows = torch.cat([r.rows for task_refs in refs for r in task_refs]).log_softmax(-1)
+    top = rows.topk(2, dim=-1).values
+    lead = top[:, 0] - top[:, 1]
+    return {gap: float((lead < gap).float().mean()) for gap in gaps}
+
+
+def aggregate(
     setting: Setting, parts: list[Comparison], kinds: list[str], clusters: list[int],
     recomputed: float, blend_s: float,
 ) -> ChatResult:  # fmt: skip
+    """One setting's `ChatResult` from its follow-ups' comparisons, their question ``kinds`` and
+    task ``clusters`` (for the clustered standard errors)."""
     agree = torch.cat([p.agree for p in parts]).float()
     kl = torch.cat([p.kl for p in parts])
     pairs = zip(parts, clusters, strict=True)

@@ -11,7 +11,13 @@ import torch
 from kmesh_blend.models import ReferenceModel
 from kmesh_blend.quality import Setting
 from kmesh_blend.quality.chat import ChatDocument, ChatPrompt, ChatTask, chat_tasks
-from kmesh_blend.quality.chat_harness import evaluate_chat, masters
+from kmesh_blend.quality.chat_harness import (
+    evaluate_chat,
+    full_prefill_agreement,
+    masters,
+    near_ties,
+    references,
+)
 from kmesh_blend.testing.quality import quality_model_dir
 
 
@@ -114,7 +120,14 @@ def test_the_benchmark_compares_rules_at_equal_recomputed_tokens(
     import _quality_smollm2 as real
 
     settings = real.rule_settings(192)
-    assert len(settings) == 22 and len(set(settings)) == 22
+    assert len(settings) == 24 and len(set(settings)) == 24
+    assert {s for s in settings if s.ratio in real.GOAL_RATIOS} == {
+        Setting(r) for r in real.GOAL_RATIOS
+    }
+    assert [real.nominal(Setting(r), 192) for r in real.GOAL_RATIOS] == [
+        "deviation 0.5",
+        "deviation 0.7",
+    ]
     counts: dict[tuple[str, str], set[int]] = {}
     for s in settings:
         share = real.nominal(s, 192).split()[-1]
@@ -122,3 +135,18 @@ def test_the_benchmark_compares_rules_at_equal_recomputed_tokens(
         counts.setdefault((s.selection, share), set()).add(count)
     assert all(len(c) == 1 for c in counts.values()), counts  # every rule: the same tokens
     assert counts[("per_request", "0.15")] == {29}
+
+
+def test_precision_floor_scores_another_models_full_prefill(model: ReferenceModel) -> None:
+    tasks = [_random_task(model.shape.vocab_size, seed) for seed in range(2)]
+    refs = references(model, tasks, answer_tokens=6)
+    same = full_prefill_agreement(model, tasks, refs)
+    assert (same.agreement, same.kl, same.identical_answers) == (1.0, 0.0, 1.0)
+    coarse = ReferenceModel.load(quality_model_dir(), torch.bfloat16)
+    other = full_prefill_agreement(coarse, tasks, refs)
+    assert other.kl > 0  # bf16 numerics move the scores
+    ties = near_ties(refs, (0.0, 1e9))
+    assert ties == {0.0: 0.0, 1e9: 1.0}
+    mid = near_ties(refs, (0.5,))[0.5]
+    lead = torch.cat([r.rows for t in refs for r in t]).log_softmax(-1).topk(2).values
+    assert mid == pytest.approx(float((lead[:, 0] - lead[:, 1] < 0.5).float().mean()))

@@ -1,0 +1,188 @@
+"""How good can 15 % selection get on the real model? Oracle selections against the deviation rule.
+
+The real-model quality goal (top-1 agreement ≥ 0.99 at recompute ratio 0.15, `bench/quality.py
+--model smollm2`) asks which tokens to recompute. This bench gives the selection knowledge no
+serving rule has — the full prefill of the very prompt — and measures what the best-informed
+choices reach at the same token count. Every choice recomputes the same tokens per document use
+(keep_count(0.15, 192) = 29) and runs through the same executor (`RequestBlend`); only the score
+that ranks the candidates differs:
+
+- ``deviation``: the default rule (fresh vs stored keys at check layers 1–3, gradual filtering);
+- ``oracle K`` / ``oracle V``: the stored rows' true distance from the full prefill's, summed over
+  all 30 layers (each layer's squared distance over its mean squared norm);
+- ``oracle attention``: the attention the full prefill's post-document tokens (question, headers,
+  the assistant turn) pay each document token, summed over layers and heads;
+- ``oracle attention × V``: both.
+
+Same tasks, references and metrics as `bench/quality.py --model smollm2` (fp32 engine, the
+blend's `VllmModel`). Writes bench/results/selection_ceiling.json.
+
+Run: python bench/selection_ceiling.py [--quick]   (2 of the 8 tasks)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kmesh_blend.blend import BlendOptions, BlendRequest, BlendResult, RequestBlend, blend_group
+from kmesh_blend.blend.plan import select_top
+from kmesh_blend.models.layerwise import LayerwiseModel, causal_mask, prefill
+from kmesh_blend.quality.metrics import compare, continuation_logits
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RATIO = 0.15
+DEFAULT_CHECKS = (1, 2, 3)
+
+
+class _Ranked(RequestBlend):
+    """A request blend whose (single) check layer ranks candidates by a given score [T] fp32."""
+
+    def __init__(self, model: LayerwiseModel, request: BlendRequest, score: torch.Tensor) -> None:
+        super().__init__(model, request, BlendOptions(recompute_ratio=RATIO, check_layers=(1,)))
+        self.score = score
+
+    def _select(self, layer: int, k: Any, v: Any, stored_k: Any, stored_v: Any) -> torch.Tensor:
+        score = self.score[self.computed]
+        keep = self.always[self.computed].clone()
+        for candidates, count in self.checks[layer]:
+            rows = candidates[self.computed].nonzero().squeeze(1)
+            keep[rows[select_top(score[rows], count)]] = True
+        return keep.nonzero().squeeze(1)
+
+
+def _run(blend: RequestBlend, stale: BlendResult) -> BlendResult:
+    """All layers of one request; stored rows are the plain-reuse blend's (re-positioned)."""
+    for layer in range(len(stale.keys)):
+        inp = blend.begin(layer, stale.keys[layer].clone(), stale.values[layer].clone())
+        blend.end(layer, blend.attend(layer, inp))
+    return blend.finish()
+
+
+def _distance(full: list[torch.Tensor], stale: list[torch.Tensor]) -> torch.Tensor:
+    """[T] Σ over layers of each row's squared distance over the layer's mean squared norm."""
+    out = torch.zeros(full[0].shape[0])
+    for a, b in zip(full, stale, strict=True):
+        out += (a - b).float().pow(2).sum((1, 2)) / a.float().pow(2).sum((1, 2)).mean()
+    return out
+
+
+@torch.no_grad()
+def _attention_mass(model: LayerwiseModel, request: BlendRequest) -> torch.Tensor:
+    """[T] attention the tokens after the last document pay each token, full prefill, summed
+    over layers and heads."""
+    ids = request.token_ids
+    pos = torch.arange(ids.numel())
+    after = request.uses[-1].end
+    mask = causal_mask(pos, pos)
+    hidden = model.embed(ids)
+    mass = torch.zeros(ids.numel())
+    for layer in range(model.shape.num_layers):
+        q, k, v = model.project_qkv(layer, hidden)
+        q, k = model.rotate_qk(layer, q, k, pos)
+        qs = q[after:].float()
+        ks = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        scores = torch.einsum("nhd,thd->hnt", qs, ks) / qs.shape[-1] ** 0.5
+        scores = scores.masked_fill(~mask[after:][None], float("-inf"))
+        mass += scores.softmax(-1).sum((0, 1))
+        hidden = model.finish_layer(layer, hidden, model.attend(q, k, v, mask))
+    return mass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 tasks instead of 8")
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _quality_smollm2 as real
+    from transformers import AutoTokenizer
+
+    from kmesh_blend.quality.chat import chat_tasks
+    from kmesh_blend.quality.chat_harness import masters, references
+    from kmesh_blend.testing import smollm2_checkpoint
+
+    began = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
+    tasks = chat_tasks(tokenizer, 2 if args.quick else 8, doc_tokens=real.DOC_TOKENS)
+    llm, model = real.engine(DEFAULT_CHECKS)
+    rules = ("deviation", "oracle K", "oracle V", "oracle attention", "oracle attention × V")
+    parts: dict[str, list[Any]] = {rule: [] for rule in rules}
+    kinds: list[str] = []
+    try:
+        stop = (int(tokenizer.eos_token_id),)
+        refs = references(model, tasks, real.ANSWER_TOKENS, None, stop)
+        for j, (task, task_refs) in enumerate(zip(tasks, refs, strict=True)):
+            source = masters(model, task)
+            requests = [r.blend_request() for r in task.requests]
+            options = BlendOptions(recompute_ratio=RATIO, check_layers=DEFAULT_CHECKS)
+            default = blend_group(model, requests, source, options)
+            plain = BlendOptions(recompute_ratio=0.0, check_layers=(1,))
+            for prompt, request, ref, out in zip(task.requests, requests, task_refs, default,
+                                                 strict=True):  # fmt: skip
+                kinds.append(prompt.kind)
+                stale = blend_group(model, [request], source, plain)[0]
+                full = prefill(model, request.token_ids, last_only=True)
+                k_dist = _distance(full.keys, stale.keys)
+                v_dist = _distance(full.values, stale.values)
+                mass = _attention_mass(model, request)
+                scores = {"oracle K": k_dist, "oracle V": v_dist, "oracle attention": mass,
+                          "oracle attention × V": mass * v_dist}  # fmt: skip
+                outs = {"deviation": out}
+                for rule, score in scores.items():
+                    outs[rule] = _run(_Ranked(model, request, score), stale)
+                for rule, res in outs.items():
+                    if res.num_recomputed != out.num_recomputed:
+                        raise SystemExit(f"{rule} recomputed {res.num_recomputed} tokens, "
+                                         f"the default rule {out.num_recomputed}")  # fmt: skip
+                    rows = continuation_logits(model, res.keys, res.values, res.logits, ref.answer)
+                    parts[rule].append((j, compare(ref.rows, rows, ref.answer)))
+            print(f"[{time.perf_counter() - began:5.0f} s] task {j + 1}/{len(tasks)}", flush=True)
+    finally:
+        real.close(llm)
+    table = [_row(rule, parts[rule], kinds) for rule in rules]
+    for row in table:
+        print(f"  {row['rule']:22s} top-1 agreement {row['agreement']:.4f} ± "
+              f"{row['agreement_se']:.4f}, KL {row['kl']:.2e}, identical answers "
+              f"{row['identical_answers']:.3f}")  # fmt: skip
+    best = max(table[1:], key=lambda r: r["agreement"])
+    result = {
+        "name": "selection_ceiling",
+        "metric": "top-1 agreement at ratio 0.15: best oracle selection / the deviation rule",
+        "value": round(best["agreement"] / table[0]["agreement"], 4),
+        "unit": "x",
+        "quick": args.quick,
+        "config": {"model": "SmolLM2-135M-Instruct (fp32)", "ratio": RATIO,
+                   "tasks": len(tasks), "follow_ups": len(parts["deviation"]),
+                   "positions": sum(p.agree.numel() for _, p in parts["deviation"]),
+                   "best_oracle": best["rule"], "table": table,
+                   "seconds": round(time.perf_counter() - began, 1)},
+    }  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "selection_ceiling.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("name", "metric", "value", "unit")}))
+
+
+def _row(rule: str, parts: list[Any], kinds: list[str]) -> dict[str, Any]:
+    from kmesh_blend.quality import Setting
+    from kmesh_blend.quality.chat_harness import aggregate
+
+    comparisons, clusters = [p for _, p in parts], [j for j, _ in parts]
+    r = aggregate(Setting(RATIO), comparisons, kinds, clusters, RATIO, 0.0)
+    return {
+        "rule": rule,
+        "agreement": round(r.agreement, 4),
+        "agreement_se": round(r.agreement_se, 4),
+        "kl": float(f"{r.kl:.4g}"),
+        "kl_se": float(f"{r.kl_se:.3g}"),
+        "identical_answers": round(r.identical_answers, 4),
+    }
+
+
+if __name__ == "__main__":
+    main()
