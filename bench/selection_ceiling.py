@@ -3,9 +3,9 @@
 The real-model quality goal (top-1 agreement ≥ 0.99 at recompute ratio 0.15, `bench/quality.py
 --model smollm2`) asks which tokens to recompute. This bench gives the selection knowledge no
 serving rule has — the full prefill of the very prompt — and measures what the best-informed
-choices reach at the same token count. Every choice recomputes the same tokens per document use
-(keep_count(0.15, 192) = 29) and runs through the same executor (`RequestBlend`); only the score
-that ranks the candidates differs:
+choices reach at the same token count. Every choice recomputes 15 % of a request's reused tokens
+(ranked across its documents, as the default rule does) and runs through the same executor
+(`RequestBlend`); only the score that ranks the candidates differs:
 
 - ``deviation``: the default rule (fresh vs stored keys at check layers 1–3, gradual filtering);
 - ``oracle K`` / ``oracle V``: the stored rows' true distance from the full prefill's, summed over
@@ -15,7 +15,8 @@ that ranks the candidates differs:
 - ``oracle attention × V``: both.
 
 Same tasks, references and metrics as `bench/quality.py --model smollm2` (fp32 engine, the
-blend's `VllmModel`). Writes bench/results/selection_ceiling.json.
+blend's `VllmModel`). `make bench` keeps its result line in
+bench/results/selection_ceiling.json.
 
 Run: python bench/selection_ceiling.py [--quick]   (2 of the 8 tasks)
 """
@@ -23,7 +24,6 @@ Run: python bench/selection_ceiling.py [--quick]   (2 of the 8 tasks)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -36,7 +36,6 @@ from kmesh_blend.blend.plan import select_top
 from kmesh_blend.models.layerwise import LayerwiseModel, causal_mask, prefill
 from kmesh_blend.quality.metrics import compare, continuation_logits
 
-RESULTS = Path(__file__).resolve().parent / "results"
 RATIO = 0.15
 DEFAULT_CHECKS = (1, 2, 3)
 
@@ -101,6 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _quality_smollm2 as real
+    from _common import emit
     from transformers import AutoTokenizer
 
     from kmesh_blend.quality.chat import chat_tasks
@@ -163,9 +163,7 @@ def main() -> None:
                    "best_oracle": best["rule"], "table": table,
                    "seconds": round(time.perf_counter() - began, 1)},
     }  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "selection_ceiling.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("name", "metric", "value", "unit")}))
+    emit(result)
 
 
 def _row(rule: str, parts: list[Any], kinds: list[str]) -> dict[str, Any]:
