@@ -32,28 +32,22 @@ from typing import Any
 import torch
 
 from kmesh_blend.blend import BlendOptions, BlendRequest, BlendResult, RequestBlend, blend_group
-from kmesh_blend.blend.plan import select_top
-from kmesh_blend.models.layerwise import LayerwiseModel, causal_mask, prefill
+from kmesh_blend.models.layerwise import LayerwiseModel, causal_mask
 from kmesh_blend.quality.metrics import compare, continuation_logits
 
 RATIO = 0.15
-DEFAULT_CHECKS = (1, 2, 3)
 
 
 class _Ranked(RequestBlend):
-    """A request blend whose (single) check layer ranks candidates by a given score [T] fp32."""
+    """A request blend whose (single) check layer ranks candidates by a given score [T] fp32
+    instead of their deviation."""
 
     def __init__(self, model: LayerwiseModel, request: BlendRequest, score: torch.Tensor) -> None:
         super().__init__(model, request, BlendOptions(recompute_ratio=RATIO, check_layers=(1,)))
         self.score = score
 
-    def _select(self, layer: int, k: Any, v: Any, stored_k: Any, stored_v: Any) -> torch.Tensor:
-        score = self.score[self.computed]
-        keep = self.always[self.computed].clone()
-        for candidates, count in self.checks[layer]:
-            rows = candidates[self.computed].nonzero().squeeze(1)
-            keep[rows[select_top(score[rows], count)]] = True
-        return keep.nonzero().squeeze(1)
+    def _score(self, k: Any, v: Any, stored_k: Any, stored_v: Any) -> torch.Tensor:
+        return self.score[self.computed]
 
 
 def _run(blend: RequestBlend, stale: BlendResult) -> BlendResult:
@@ -73,25 +67,31 @@ def _distance(full: list[torch.Tensor], stale: list[torch.Tensor]) -> torch.Tens
 
 
 @torch.no_grad()
-def _attention_mass(model: LayerwiseModel, request: BlendRequest) -> torch.Tensor:
-    """[T] attention the tokens after the last document pay each token, full prefill, summed
-    over layers and heads."""
+def _full_prefill(
+    model: LayerwiseModel, request: BlendRequest
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """The request's full prefill (`prefill`'s steps): per layer keys and values [T, Hkv, D],
+    and [T] the attention the tokens after the last document pay each token, summed over
+    layers and heads."""
     ids = request.token_ids
     pos = torch.arange(ids.numel())
     after = request.uses[-1].end
     mask = causal_mask(pos, pos)
     hidden = model.embed(ids)
     mass = torch.zeros(ids.numel())
+    keys, values = [], []
     for layer in range(model.shape.num_layers):
         q, k, v = model.project_qkv(layer, hidden)
         q, k = model.rotate_qk(layer, q, k, pos)
+        keys.append(k)
+        values.append(v)
         qs = q[after:].float()
         ks = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         scores = torch.einsum("nhd,thd->hnt", qs, ks) / qs.shape[-1] ** 0.5
         scores = scores.masked_fill(~mask[after:][None], float("-inf"))
         mass += scores.softmax(-1).sum((0, 1))
         hidden = model.finish_layer(layer, hidden, model.attend(q, k, v, mask))
-    return mass
+    return keys, values, mass
 
 
 def main() -> None:
@@ -101,6 +101,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _quality_smollm2 as real
     from _common import emit
+    from quality import SMOLLM2_CHECKS
     from transformers import AutoTokenizer
 
     from kmesh_blend.quality.chat import chat_tasks
@@ -110,7 +111,7 @@ def main() -> None:
     began = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
     tasks = chat_tasks(tokenizer, 2 if args.quick else 8, doc_tokens=real.DOC_TOKENS)
-    llm, model = real.engine(DEFAULT_CHECKS)
+    llm, model = real.engine(SMOLLM2_CHECKS)
     rules = ("deviation", "oracle K", "oracle V", "oracle attention", "oracle attention × V")
     parts: dict[str, list[Any]] = {rule: [] for rule in rules}
     kinds: list[str] = []
@@ -120,17 +121,16 @@ def main() -> None:
         for j, (task, task_refs) in enumerate(zip(tasks, refs, strict=True)):
             source = masters(model, task)
             requests = [r.blend_request() for r in task.requests]
-            options = BlendOptions(recompute_ratio=RATIO, check_layers=DEFAULT_CHECKS)
+            options = BlendOptions(recompute_ratio=RATIO, check_layers=SMOLLM2_CHECKS)
             default = blend_group(model, requests, source, options)
             plain = BlendOptions(recompute_ratio=0.0, check_layers=(1,))
             for prompt, request, ref, out in zip(task.requests, requests, task_refs, default,
                                                  strict=True):  # fmt: skip
                 kinds.append(prompt.kind)
                 stale = blend_group(model, [request], source, plain)[0]
-                full = prefill(model, request.token_ids, last_only=True)
-                k_dist = _distance(full.keys, stale.keys)
-                v_dist = _distance(full.values, stale.values)
-                mass = _attention_mass(model, request)
+                keys, values, mass = _full_prefill(model, request)
+                k_dist = _distance(keys, stale.keys)
+                v_dist = _distance(values, stale.values)
                 scores = {"oracle K": k_dist, "oracle V": v_dist, "oracle attention": mass,
                           "oracle attention × V": mass * v_dist}  # fmt: skip
                 outs = {"deviation": out}

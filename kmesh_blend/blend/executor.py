@@ -234,6 +234,18 @@ class RequestBlend:
         stored_v: torch.Tensor,
     ) -> torch.Tensor:
         """Rows of the computed set to keep after this check layer: [n'] int64 into computed."""
+        score = self._score(k, v, stored_k, stored_v)
+        keep = self.always[self.computed].clone()
+        for candidates, count in self.checks[layer]:
+            rows = candidates[self.computed].nonzero().squeeze(1)
+            keep[rows[select_top(score[rows], count)]] = True
+        return keep.nonzero().squeeze(1)
+
+    def _score(
+        self, k: torch.Tensor, v: torch.Tensor, stored_k: torch.Tensor, stored_v: torch.Tensor
+    ) -> torch.Tensor:
+        """[n] fp32 rank of the computed tokens at a check layer (higher: recompute first): the
+        deviation of their fresh k/v [n, Hkv, D] from the stored rows [T, Hkv, D]."""
         kind = self.options.deviation
         backend = self.options.backend
         score = torch.zeros(self.computed.numel(), dtype=torch.float32)
@@ -241,9 +253,4 @@ class RequestBlend:
             score += token_deviation(k, stored_k[self.computed], backend)
         if kind in ("v", "kv"):
             score += token_deviation(v, stored_v[self.computed], backend)
-        score = self.model.combine_scores(score)
-        keep = self.always[self.computed].clone()
-        for candidates, count in self.checks[layer]:
-            rows = candidates[self.computed].nonzero().squeeze(1)
-            keep[rows[select_top(score[rows], count)]] = True
-        return keep.nonzero().squeeze(1)
+        return self.model.combine_scores(score)
