@@ -6,10 +6,13 @@ no file patched, no global registry entry) whose ``forward`` asks `CascadeDecode
 step — the same attention metadata object serves every layer, so the step is planned once — the
 batch's requests are matched to decode plans (`kmesh_blend.vllm.decode_plan`) by request id (the
 runner's batch order) *and* by their block-table rows. Requests decoding one token whose plan is
-armed attend through `kmesh_blend.attention.decode.decode_cascade`: each master's K/V read once
-for all its readers (rows a reader replaced masked for it), and each request's own rows (its
-other prompt rows, copied out of its blocks when the set of decoding requests forms, and its
-generated rows, appended from the forward's key/value every step). Every other request of the
+armed attend in cascade: each master's K/V read once for all its readers (rows a reader replaced
+masked for it), and each request's own rows (its other prompt rows, copied out of its blocks when
+the set of decoding requests forms, and its generated rows, appended from the forward's key/value
+every step). Two implementations of the same math: the CPU kernel
+(`kmesh_blend.cpu.cascade_decode_op`: one call per layer, K/V in the cache dtype, tiled by
+`kmesh_blend.cpu.layout`) when it is built and the shapes allow, else plain torch
+(`kmesh_blend.attention.decode.decode_cascade`, fp32 copies). Every other request of the
 step runs on vLLM's own kernel as a sub-batch (`kmesh_blend.vllm.paged_attention.sub_batch`); a
 step with no cascade request, or whose metadata is anything but plain causal attention, runs
 vLLM's forward unchanged. An exception inside the path hands every later step to vLLM's forward.
@@ -30,6 +33,7 @@ from kmesh_blend.attention.decode import (
     OwnRows,
     decode_cascade,
 )
+from kmesh_blend.cpu.layout import pair_values, tile_keys
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout
 from kmesh_blend.vllm.paged_attention import KernelBatch, run_kernel, sub_batch
@@ -39,6 +43,7 @@ __all__ = ["CascadeDecode", "Heads", "MasterUse", "pause"]
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 ReqIds = Callable[[int], "list[str] | None"]
+Kernel = Callable[..., Any]  # torch.ops.kmesh_cpu.cascade_decode (see kmesh_blend/cpu)
 
 _HEADROOM = 32  # own columns for generated rows added at a time (buffers grow by copying)
 _paused = False
@@ -63,8 +68,10 @@ class _Layer(NamedTuple):
     """One layer's buffers of a set of plans decoding together (n requests).
 
     own: each request's own rows — prompt rows it does not read from a master, then its
-    generated rows — fp32, k_t [n, Hkv, D, C] and v [n, Hkv, C, D]; ``first_free`` [n] int64:
-    where request r's generated rows start. bias: [n, C + ΣS] fp32 over own rows then masters.
+    generated rows — torch path: fp32 k_t [n, Hkv, D, C] and v [n, Hkv, C, D]; kernel: the KV
+    dtype, k [n, Hkv, C/16, D/2, 16, 2] and v [n, Hkv, C/2, D, 2] (C a multiple of 16).
+    ``first_free`` [n] int64: where request r's generated rows start. bias: [n, C + ΣS] fp32
+    over own rows then masters.
     """
 
     own: OwnRows
@@ -76,6 +83,7 @@ class _Composition(NamedTuple):
     key: tuple[str, ...]
     layers: list[_Layer]
     masters: list[tuple[SharedMaster, torch.Tensor]]  # with −Δ per request [n] int64
+    rotations: list[torch.Tensor]  # per master [n, D, D] fp32: q · R rotates q by −Δ (kernel)
     filled: list[int]  # generated rows in the buffers, per request (all layers)
     capacity: int  # own columns C − the widest prompt part: room for generated rows
 
@@ -101,8 +109,12 @@ class CascadeDecode:
         rope: Any,
         heads: Heads,
         req_ids: ReqIds,
+        kernel: Kernel | None = None,
     ) -> None:
         self.layers, self.caches, self.layout, self.rope = layers, caches, layout, rope
+        self.kernel = kernel
+        # the kernel holds n · H/Hkv query rows of a master in registers' reach: at most 64
+        self.limit = 64 * heads.num_kv_heads // heads.num_heads if kernel is not None else 1 << 30
         self.num_heads, self.num_kv_heads, self.head_dim = heads
         self.req_ids = req_ids
         self.plans: dict[str, DecodePlan] = {}
@@ -174,8 +186,13 @@ class CascadeDecode:
         step = self._step
         if step is None:
             return stock(layer, query, key, value, kv_cache, meta, output)
+        num = meta.num_actual_tokens
+        out = output[:num].view(num, self.num_heads, self.head_dim)
         try:
-            got = self._attend(index, step, layer, query, key, value)
+            if self.kernel is not None:
+                self._run_kernel(index, step, layer, query, key, value, out)
+            else:
+                out[step.tokens] = self._attend(index, step, layer, query, key, value).to(out.dtype)
             others = None
             if step.others is not None:
                 tokens, batch = step.others
@@ -184,12 +201,46 @@ class CascadeDecode:
             self._break(exc)
             self._step = None
             return stock(layer, query, key, value, kv_cache, meta, output)
-        num = meta.num_actual_tokens
-        out = output[:num].view(num, self.num_heads, self.head_dim)
-        out[step.tokens] = got.to(out.dtype)
         if others is not None and step.others is not None:
             out[step.others[0]] = others
         return output
+
+    def _run_kernel(
+        self,
+        index: int,
+        step: _Step,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """The CPU kernel: appends this step's K/V, attends, writes ``out`` rows, in one call."""
+        buffers = step.composition.layers[index]
+        own_k, own_v = buffers.own
+        width = own_k.shape[2] * 16
+        composition, cols = step.composition, buffers.first_free + step.generated
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        masters, starts = composition.masters, [width]
+        for m, _ in masters:
+            starts.append(starts[-1] + m.size)
+        assert self.kernel is not None
+        self.kernel(
+            out,
+            step.tokens,
+            query.view(-1, heads, dim),
+            key.view(-1, kv_heads, dim),
+            value.view(-1, kv_heads, dim),
+            own_k,
+            own_v,
+            buffers.bias[:, :width],
+            cols,
+            [m.k_t[index] for m, _ in masters],
+            [m.v[index] for m, _ in masters],
+            [buffers.bias[:, a:b] for a, b in zip(starts, starts[1:], strict=False)],
+            composition.rotations,
+            float(layer.impl.scale),
+        )
 
     def _attend(
         self,
@@ -257,9 +308,12 @@ class CascadeDecode:
                     continue
                 for use in plan.uses:
                     if use.key not in self.masters:
-                        self.masters[use.key] = SharedMaster.of(use.master, self.caches[0].dtype)
+                        self.masters[use.key] = SharedMaster.of(
+                            use.master, self.caches[0].dtype, tiled=self.kernel is not None
+                        )
                     self.masters[use.key].users += 1
-            chosen.append((i, plan))
+            if len(chosen) < self.limit:  # the rest decode on vLLM's kernel this step
+                chosen.append((i, plan))
         if not chosen:
             return None
         for _, plan in chosen:
@@ -267,6 +321,7 @@ class CascadeDecode:
             self.reports[plan.req_id] = {
                 "cascade_steps": plan.steps,
                 "cascade_shared_rows": plan.shared_rows,
+                "cascade_kernel": "cpu" if self.kernel is not None else "torch",
             }
         rows = [i for i, _ in chosen]
         generated = [seq_lens[i] - 1 - plan.num_tokens for i, plan in chosen]
@@ -303,43 +358,62 @@ class CascadeDecode:
             for r, use, _ in group:
                 deltas[r] = use.start - master.first
             masters.append((master, -deltas, group))
-        layers = []
+        layers, tiled = [], self.kernel is not None
         for layer, cache in enumerate(self.caches):
             prompt = [plan.own_slots[layer] for _, plan in chosen]
             width = max(int(p.numel()) for p in prompt) + capacity
-            # fp32 whatever the KV dtype, as the masters (`SharedMaster`)
-            k_t = torch.zeros(n, self.num_kv_heads, self.head_dim, width)
-            v = torch.zeros(n, self.num_kv_heads, width, self.head_dim)
+            if tiled:  # whole tiles of 16 keys
+                width += -width % 16
+            # the torch path computes on fp32 copies, as its masters (`SharedMaster`)
+            own_dtype = cache.dtype if tiled else torch.float32
+            k_t = torch.zeros(n, self.num_kv_heads, self.head_dim, width, dtype=own_dtype)
+            v = torch.zeros(n, self.num_kv_heads, width, self.head_dim, dtype=own_dtype)
             parts = [torch.full((n, width), MASKED)]
             for r, ((i, plan), own) in enumerate(zip(chosen, prompt, strict=True)):
                 pos = torch.arange(plan.num_tokens, plan.num_tokens + generated[r])
                 blocks = meta.block_table[i].to(torch.int64)[pos // block_size]
                 slots = torch.cat((own, blocks * block_size + pos % block_size))
                 rk, rv = self.layout.read(cache, slots.to(cache.device))
-                k_t[r, :, :, : slots.numel()] = rk.cpu().float().permute(1, 2, 0)
-                v[r, :, : slots.numel()] = rv.cpu().float().transpose(0, 1)
+                k_t[r, :, :, : slots.numel()] = rk.cpu().to(own_dtype).permute(1, 2, 0)
+                v[r, :, : slots.numel()] = rv.cpu().to(own_dtype).transpose(0, 1)
                 parts[0][r, : slots.numel()] = 0.0
             for master, _, group in masters:
-                reads = torch.full((n, master.v.shape[2]), MASKED)
+                reads = torch.full((n, master.size), MASKED)
                 for r, _, rows in group:
                     reads[r] = torch.where(rows[layer], 0.0, MASKED)
                 parts.append(reads)
             first_free = torch.tensor([int(p.numel()) for p in prompt], dtype=torch.int64)
-            layers.append(_Layer(OwnRows(k_t, v), first_free, torch.cat(parts, dim=1)))
+            own = OwnRows(tile_keys(k_t), pair_values(v)) if tiled else OwnRows(k_t, v)
+            layers.append(_Layer(own, first_free, torch.cat(parts, dim=1)))
+        rotations = []
+        if tiled:  # q · R = the query rotated by −Δ (RoPE is linear in q)
+            basis = torch.eye(self.head_dim).expand(n, -1, -1).contiguous()
+            rotations = [self.rope.apply(basis, back).contiguous() for _, back, _ in masters]
         return _Composition(
-            key, layers, [(m, back) for m, back, _ in masters], list(generated), capacity
+            key,
+            layers,
+            [(m, back) for m, back, _ in masters],
+            rotations,
+            list(generated),
+            capacity,
         )
 
 
 def _grown(old: _Composition, extra: int) -> _Composition:
-    """``old`` with ``extra`` more own columns per layer (copied, not gathered again)."""
+    """``old`` with ``extra`` (a multiple of 16) more own columns per layer (copied, not gathered
+    again)."""
     layers = []
     for buffers in old.layers:
         k_t, v = buffers.own
-        width = k_t.shape[-1]
-        new_k = k_t.new_zeros((*k_t.shape[:-1], width + extra))
-        new_v = v.new_zeros((v.shape[0], v.shape[1], width + extra, v.shape[3]))
-        new_k[..., :width], new_v[:, :, :width] = k_t, v
+        if k_t.dim() == 6:  # the kernel's tiles: new tiles and pairs at the end
+            width = k_t.shape[2] * 16
+            new_k = torch.cat((k_t, k_t.new_zeros(*k_t.shape[:2], extra // 16, *k_t.shape[3:])), 2)
+            new_v = torch.cat((v, v.new_zeros(*v.shape[:2], extra // 2, *v.shape[3:])), 2)
+        else:
+            width = k_t.shape[-1]
+            new_k = k_t.new_zeros((*k_t.shape[:-1], width + extra))
+            new_v = v.new_zeros((v.shape[0], v.shape[1], width + extra, v.shape[3]))
+            new_k[..., :width], new_v[:, :, :width] = k_t, v
         pad = torch.full((k_t.shape[0], extra), MASKED)
         bias = torch.cat((buffers.bias[:, :width], pad, buffers.bias[:, width:]), dim=1)
         layers.append(_Layer(OwnRows(new_k, new_v), buffers.first_free, bias))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kmesh_blend.vllm.cascade_decode import CascadeDecode, Heads, MasterUse, ReqIds
+from kmesh_blend.vllm.cascade_decode import CascadeDecode, Heads, Kernel, MasterUse, ReqIds
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 from kmesh_blend.vllm.paged_attention import kernel_batch
 
@@ -34,18 +34,46 @@ def install(
     heads: Heads,
     req_ids: ReqIds,
 ) -> tuple[CascadeDecode | None, str | None]:
-    """(the installed path, None), or (None, why it stays off)."""
+    """(the installed path, None), or (None, why it stays off).
+
+    The CPU kernel (`kmesh_blend.cpu`) serves when it is built, fits the dtype and head size,
+    and passes the self-check; else the plain-torch path, after its own self-check."""
     problem = _unsupported(layers[0], layout)
+    kernel = None
     if problem is None:
-        problem = _self_check(layers[0], caches[0], layout, rope, heads)
+        kernel, why = _kernel_for(caches[0].dtype, heads)
+        if kernel is not None:
+            why = _self_check(layers[0], caches[0], layout, rope, heads, kernel)
+            if why is not None:
+                kernel = None
+        if kernel is None:
+            log.warning("kmesh: cascade decode runs on plain torch ops: %s", why)
+            problem = _self_check(layers[0], caches[0], layout, rope, heads, None)
     if problem is not None:
         log.warning("kmesh: cascade decode stays off: %s", problem)
         return None, problem
-    decode = CascadeDecode(layers, caches, layout, rope, heads, req_ids)
+    decode = CascadeDecode(layers, caches, layout, rope, heads, req_ids, kernel)
     for index, layer in enumerate(layers):
         _attach(layer.impl, decode, index)
-    log.info("kmesh: cascade decode on for %d attention layers (self-check passed)", len(layers))
+    log.info(
+        "kmesh: cascade decode on for %d attention layers (%s, self-check passed)",
+        len(layers),
+        "CPU kernel" if kernel is not None else "plain torch",
+    )
     return decode, None
+
+
+def _kernel_for(dtype: torch.dtype, heads: Heads) -> tuple[Kernel | None, str | None]:
+    """The CPU kernel when it can serve this cache, else (None, why not)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None, f"the CPU kernel reads float32 or bfloat16, not {dtype}"
+    if heads.head_dim not in (32, 64, 128):
+        return None, f"the CPU kernel takes head sizes 32, 64 or 128, not {heads.head_dim}"
+    if heads.num_heads // heads.num_kv_heads > 64:
+        return None, "more than 64 query heads per KV head"
+    from kmesh_blend.cpu import cascade_decode_op
+
+    return cascade_decode_op()
 
 
 def _attach(impl: Any, decode: CascadeDecode, index: int) -> None:
@@ -107,11 +135,16 @@ def _unsupported(layer: Any, layout: PagedLayout) -> str | None:
 
 
 def _self_check(
-    layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any, heads: Heads
+    layer: Any,
+    cache: torch.Tensor,
+    layout: PagedLayout,
+    rope: Any,
+    heads: Heads,
+    kernel: Kernel | None,
 ) -> str | None:
     """Run the cascade path and vLLM's kernel on scratch blocks; None when they agree."""
     try:
-        got, want = _scratch_run(layer, cache, layout, rope, heads)
+        got, want = _scratch_run(layer, cache, layout, rope, heads, kernel)
     except Exception as exc:  # any failure: keep vLLM's forward
         return f"self-check failed: {type(exc).__name__}: {exc}"
     tol = 1e-4 if cache.dtype == torch.float32 else 3e-2
@@ -125,7 +158,12 @@ class _Master:
 
 
 def _scratch_run(
-    layer: Any, cache: torch.Tensor, layout: PagedLayout, rope: Any, heads: Heads
+    layer: Any,
+    cache: torch.Tensor,
+    layout: PagedLayout,
+    rope: Any,
+    heads: Heads,
+    kernel: Kernel | None,
 ) -> tuple[torch.Tensor, ...]:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
@@ -185,7 +223,9 @@ def _scratch_run(
 
     key, value = torch.cat(keys), torch.cat(values)
     want = stock_forward(layer, query, key, value, scratch, meta, torch.zeros_like(query))
-    decode = CascadeDecode([layer], [scratch], layout, rope, heads, lambda n: ["a", "b", "c"][:n])
+    decode = CascadeDecode(
+        [layer], [scratch], layout, rope, heads, lambda n: ["a", "b", "c"][:n], kernel
+    )
     for name, (offset, prompt, _), ids in zip("ab", shapes, blocks, strict=False):
         decode.add(name, ids, prompt, [MasterUse("m", offset, offset + size, master)])
     got = decode.forward(

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kmesh_blend.cpu.layout import pair_values, tile_keys
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 
 __all__ = ["DecodePlan", "MasterUse", "SharedMaster"]
@@ -34,23 +35,31 @@ class MasterUse:
 
 @dataclass
 class SharedMaster:
-    """A master in the layout the decode reads: k_t [L, Hkv, D, S] and v [L, Hkv, S, D], fp32
-    whatever the KV dtype (the decode computes in fp32; converting once beats converting every
-    step, and a 16-bit value product measured further from vLLM's kernel); ``first`` its first
-    stored position; ``users`` how many live plans read it (freed at 0)."""
+    """A master in the layout the decode reads; ``first`` its first stored position; ``users``
+    how many live plans read it (freed at 0).
+
+    Plain (the torch path): k_t [L, Hkv, D, S] and v [L, Hkv, S, D], fp32 whatever the KV dtype
+    (converting once beats converting every step). Tiled (the CPU kernel,
+    `kmesh_blend.cpu.layout`): k_t [L, Hkv, ceil(S/16), D/2, 16, 2] and v [L, Hkv, ceil(S/2), D,
+    2] in the KV dtype itself (the kernel multiplies in fp32; half the bytes in bf16); ``size``
+    is S."""
 
     k_t: torch.Tensor
     v: torch.Tensor
     first: int
+    size: int
     users: int = 0
 
     @classmethod
-    def of(cls, master: Any, dtype: torch.dtype) -> SharedMaster:
+    def of(cls, master: Any, dtype: torch.dtype, tiled: bool = False) -> SharedMaster:
         kv = master.kv
         # Through the cache dtype first: the values the paged copies hold.
-        k = kv[:, 0].to(dtype).float().permute(0, 2, 3, 1).contiguous()
-        v = kv[:, 1].to(dtype).float().permute(0, 2, 1, 3).contiguous()
-        return cls(k, v, int(master.positions[0]))
+        k = kv[:, 0].to(dtype).permute(0, 2, 3, 1)
+        v = kv[:, 1].to(dtype).permute(0, 2, 1, 3)
+        first, size = int(master.positions[0]), int(kv.shape[2])
+        if tiled:
+            return cls(tile_keys(k), pair_values(v), first, size)
+        return cls(k.float().contiguous(), v.float().contiguous(), first, size)
 
 
 @dataclass

@@ -52,6 +52,7 @@ class Report(TypedDict, total=False):
     restored_tokens: int
     cascade_steps: int
     cascade_shared_rows: int
+    cascade_kernel: str
     cascade_off: str | None
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from kmesh_blend.cpu import cpu_kernel_expected
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint, smollm2_checkpoint
 from kmesh_blend.testing.engine import kv_transfer_config, make_llm
 
@@ -113,8 +114,24 @@ MODELS: dict[str, tuple[Callable[[], Path], int]] = {
 }
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-def test_families_decode_in_cascade_to_the_same_tokens(model: str) -> None:
+def _use_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain-torch implementation, as on a machine where the CPU kernel cannot build."""
+    import kmesh_blend.cpu
+
+    monkeypatch.setattr(kmesh_blend.cpu, "_loaded", (None, "kept off by the test"))
+
+
+KERNEL = "cpu" if cpu_kernel_expected() else "torch"
+
+
+@pytest.mark.parametrize(
+    ("model", "kernel"), [("tiny", KERNEL), ("tiny", "torch"), ("smollm2", KERNEL)]
+)
+def test_families_decode_in_cascade_to_the_same_tokens(
+    model: str, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if kernel == "torch":
+        _use_torch_path(monkeypatch)
     checkpoint, doc_len = MODELS[model]
     path = checkpoint()
     off = _serve(path, "float32", model, doc_len, cascade_decode=False)
@@ -132,6 +149,7 @@ def test_families_decode_in_cascade_to_the_same_tokens(model: str) -> None:
         assert report_on["cascade_steps"] == MAX_TOKENS[model] - 1, report_on
         # most document rows were read from the master, not from the request's own copy
         assert report_on["cascade_shared_rows"] >= doc_len // 2, report_on
+        assert report_on["cascade_kernel"] == kernel, report_on
     plain_off, plain_on = off[-1], on[-1]
     assert plain_on[2] is None and plain_on[0] == plain_off[0]
     # vLLM's kernel on a sub-batch: its bits may differ from the whole batch's (vLLM's CPU
@@ -185,21 +203,24 @@ def test_a_failed_self_check_leaves_decode_stock_and_says_why(
 def test_an_error_inside_the_path_falls_back_to_vllms_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kmesh_blend.vllm import cascade_decode
+    from kmesh_blend.vllm.cascade_decode import CascadeDecode
 
     calls = []
 
-    def broken(*args: Any) -> torch.Tensor:
-        calls.append(1)
-        if len(calls) > 40:  # the start-up self-check and a few layers pass, then it breaks
-            raise RuntimeError("injected")
-        return real(*args)
+    def breaking(real: Callable[..., Any]) -> Callable[..., Any]:
+        def broken(*args: Any) -> Any:
+            calls.append(1)
+            if len(calls) > 40:  # the start-up self-check and a few layers pass, then it breaks
+                raise RuntimeError("injected")
+            return real(*args)
 
-    real = cascade_decode.decode_cascade
-    monkeypatch.setattr(cascade_decode, "decode_cascade", broken)
+        return broken
+
+    for name in ("_run_kernel", "_attend"):  # whichever implementation serves
+        monkeypatch.setattr(CascadeDecode, name, breaking(getattr(CascadeDecode, name)))
     path, doc_len = build_checkpoint(TINY_LLAMA), 300
     on = _serve(path, "float32", "tiny", doc_len, cascade_decode=True)
-    monkeypatch.setattr(cascade_decode, "decode_cascade", real)
+    monkeypatch.undo()
     off = _serve(path, "float32", "tiny", doc_len, cascade_decode=False)
     reasons = {r[2].get("cascade_off") for r in on[:-1] if r[2] is not None}
     assert any(reason and "injected" in reason for reason in reasons), reasons

@@ -1,0 +1,94 @@
+"""CPU kernels in C++ (AVX-512), compiled on first use; public API: `cascade_decode_op`.
+
+The decode of a family on a CPU is bound by memory bandwidth: vLLM's CPU attention reads every
+request's copy of the document each step. `cascade_decode.cpp` reads each shared master once for
+all its readers in one pass per layer (scores, softmax and value product fused, fp32 math on K/V
+read in their stored dtype, fp32 or bf16), which plain torch ops cannot do without one kernel
+launch per product and a copy per dtype conversion (measured: README "Cascade decode").
+
+Triton has no compiled CPU backend here (only its interpreter), hence C++. The source is compiled
+with torch's extension builder into torch's extension cache (``TORCH_EXTENSIONS_DIR``) the first
+time a process asks for it (≈ 40 s on two cores; later processes load the cached library);
+``make install`` warms the cache. Missing AVX-512, a missing compiler or a failed build leaves
+`cascade_decode_op` returning None with the reason, and callers keep the plain-torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["cascade_decode_op", "cpu_flags", "cpu_kernel_expected"]
+
+log = logging.getLogger("kmesh_blend.cpu")
+
+_SOURCE = Path(__file__).with_name("cascade_decode.cpp")
+_NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+_loaded: tuple[Callable[..., Any] | None, str | None] | None = None
+
+
+def cpu_flags() -> set[str]:
+    """This machine's CPU feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_kernel_expected() -> bool:
+    """Whether this machine should build the kernel: the CPU has the instructions, a C++
+    compiler is on PATH, and ``KMESH_CPU_KERNELS`` does not turn it off. (Tests use it to insist
+    on the kernel where it must work.)"""
+    import shutil
+
+    return (
+        os.environ.get("KMESH_CPU_KERNELS", "1") != "0"
+        and all(flag in cpu_flags() for flag in _NEEDED)
+        and shutil.which(os.environ.get("CXX", "c++")) is not None
+    )
+
+
+def cascade_decode_op() -> tuple[Callable[..., Any] | None, str | None]:
+    """(``torch.ops.kmesh_cpu.cascade_decode``, None) once built and loaded, else (None, why).
+
+    Built at most once per process; set ``KMESH_CPU_KERNELS=0`` to keep it off.
+    """
+    global _loaded
+    if _loaded is None:
+        _loaded = _load()
+        if _loaded[1] is not None:
+            log.warning("kmesh: the CPU cascade kernel is unavailable: %s", _loaded[1])
+    return _loaded
+
+
+def _load() -> tuple[Callable[..., Any] | None, str | None]:
+    if os.environ.get("KMESH_CPU_KERNELS", "1") == "0":
+        return None, "KMESH_CPU_KERNELS=0"
+    missing = [flag for flag in _NEEDED if flag not in cpu_flags()]
+    if missing:
+        return None, f"this CPU lacks {', '.join(missing)}"
+    try:
+        import torch
+        from torch.utils.cpp_extension import load
+
+        load(
+            name="kmesh_cpu_cascade",
+            sources=[str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        return torch.ops.kmesh_cpu.cascade_decode, None
+    except Exception as exc:  # no compiler, headers, or a build error: keep the torch path
+        text = str(exc) + str(getattr(exc.__cause__, "output", "") or "")
+        errors = [line.strip() for line in text.splitlines() if "error" in line.lower()]
+        return None, f"build failed: {type(exc).__name__}: {(errors or [''])[0][:300]}"

@@ -1,0 +1,423 @@
+// Cascade decode on CPU (AVX-512): one decode query per request over its own rows and the shared
+// masters, each master's K/V read once for all its readers. Same math as the fp32 reference
+// kmesh_blend.attention.decode.decode_cascade; built and loaded by kmesh_blend/cpu/__init__.py.
+//
+// One call per attention layer does the whole step of the cascade requests: append this step's
+// key/value to each request's own rows, rotate each query into every master's frame, score,
+// softmax and weight the values per (level, KV head, key chunk) on the intra-op threads, merge
+// the chunks' (max, sum, unnormalized output) states exactly, and write the output rows.
+// K/V are read in their stored dtype (fp32 or bf16) and every product is fp32, so a bf16 cache
+// costs half the bytes without a 16-bit product.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+constexpr int kChunk = 256;  // master keys per work item (even): enough items for two threads
+constexpr int kRows = 12;    // query rows per score tile (accumulators held in registers)
+
+inline __mmask16 lanes(int left) {
+  if (left <= 0) return 0;
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return static_cast<float>(x); }
+
+// The two halves of 16 interleaved pairs (a0 b0 a1 b1 ...) held in lo (pairs 0-7), hi (8-15).
+inline void split_pairs(__m512 lo, __m512 hi, __m512& a, __m512& b) {
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  a = _mm512_permutex2var_ps(lo, even, hi);
+  b = _mm512_permutex2var_ps(lo, odd, hi);
+}
+
+// e^x on 16 lanes for x <= 0: 2^n * poly(r), r = x - n ln2 in [-ln2/2, ln2/2], Taylor series to
+// degree 7 (truncation < 1e-8 relative). x below -104 underflows to 0: masked keys weigh nothing.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286068203094172e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  const float c[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+  for (float k : c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(k));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One work item: `rows` queries against keys [j0, j1) (j0 even) of one level and KV head.
+// Keys in tiles of 16 keys by pairs of dimensions: element (d, j) at
+// k[((j / 16) * (D / 2) + d / 2) * 32 + (j % 16) * 2 + d % 2] (a tile's 2 KiB read in order); values
+// in pairs of keys: element (j, e) at v[((j / 2) * D + e) * 2 + j % 2]. q[i]: row i's query, fp32;
+// qp[i]: the same rounded to bf16, as pairs of dimensions (bf16 storage only). bias[i]: row i's
+// additive bias per key (0 read, -1e30 masked). state: rows x (2 + D) floats (max, sum of
+// e^(s - max), sum of e^(s - max) v).
+template <typename T>
+struct Item {
+  const float* q[64];
+  const uint32_t* qp[64];
+  const float* bias[64];
+  int rows;
+  const T* k;
+  const T* v;
+  int j0, j1;
+  float* state;
+};
+
+// scores[i][j] = scale * q_i . k_j + bias_i[j]: bf16 pairs through the dot-product instruction
+// (fp32 sums), fp32 pairs split and multiplied in fp32.
+template <int NC, int R>
+void score_tile(const Item<bf16>& it, int i0, float scale, float* scores, int lds) {
+  const int width = it.j1 - it.j0;
+  for (int j = 0; j < width; j += 16) {
+    const __mmask16 m = lanes(width - j);
+    __m512 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+    const auto* tile = it.k + static_cast<int64_t>((it.j0 + j) / 16) * 16 * NC * 16;
+    for (int d2 = 0; d2 < 8 * NC; ++d2) {
+      const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi32(m, tile + d2 * 32);
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(it.qp[i0 + i][d2]), k);
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512 b = _mm512_maskz_loadu_ps(m, it.bias[i0 + i] + it.j0 + j);
+      _mm512_mask_storeu_ps(scores + (i0 + i) * lds + j, m, _mm512_fmadd_ps(acc[i], _mm512_set1_ps(scale), b));
+    }
+  }
+}
+
+template <int NC, int R>
+void score_tile(const Item<float>& it, int i0, float scale, float* scores, int lds) {
+  const int width = it.j1 - it.j0;
+  for (int j = 0; j < width; j += 16) {
+    const __mmask16 m = lanes(width - j);
+    __m512 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+    const auto* tile = it.k + static_cast<int64_t>((it.j0 + j) / 16) * 16 * NC * 16;
+    for (int d2 = 0; d2 < 8 * NC; ++d2) {
+      const float* p = tile + d2 * 32;
+      __m512 ka, kb;
+      split_pairs(_mm512_maskz_loadu_ps(lanes(2 * (width - j)), p),
+                  _mm512_maskz_loadu_ps(lanes(2 * (width - j) - 16), p + 16), ka, kb);
+      for (int i = 0; i < R; ++i) {
+        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(it.q[i0 + i][2 * d2]), ka, acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(it.q[i0 + i][2 * d2 + 1]), kb, acc[i]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512 b = _mm512_maskz_loadu_ps(m, it.bias[i0 + i] + it.j0 + j);
+      _mm512_mask_storeu_ps(scores + (i0 + i) * lds + j, m, _mm512_fmadd_ps(acc[i], _mm512_set1_ps(scale), b));
+    }
+  }
+}
+
+// acc_i += sum_j p_ij v_j over pairs of keys (the probabilities past the last key are 0).
+template <int NC, int R>
+void value_tile(const Item<bf16>& it, int i0, const float* probs, int lds) {
+  constexpr int D = 16 * NC;
+  const int pairs = (it.j1 - it.j0 + 1) / 2;
+  // The probabilities as bf16: pair (j, j + 1) is then one 32-bit word.
+  const int stride = (pairs + 7) & ~7;  // whole 16-wide conversions
+  std::vector<uint32_t> pp(static_cast<size_t>(R) * stride);
+  for (int i = 0; i < R; ++i) {
+    const float* p = probs + (i0 + i) * lds;
+    auto* dst = reinterpret_cast<bf16*>(pp.data() + i * stride);
+    for (int j = 0; j < 2 * pairs; j += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + j)));
+  }
+  __m512 acc[R][NC];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int j2 = 0; j2 < pairs; ++j2) {
+    const bf16* row = it.v + (static_cast<int64_t>(it.j0 / 2 + j2) * D) * 2;
+    __m512bh v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(row + 32 * c);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(pp[i * stride + j2]);
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], p, v[c]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(it.state + (i0 + i) * (2 + D) + 2 + 16 * c, acc[i][c]);
+}
+
+template <int NC, int R>
+void value_tile(const Item<float>& it, int i0, const float* probs, int lds) {
+  constexpr int D = 16 * NC;
+  const int pairs = (it.j1 - it.j0 + 1) / 2;
+  __m512 acc[R][NC];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int j2 = 0; j2 < pairs; ++j2) {
+    const float* row = it.v + (static_cast<int64_t>(it.j0 / 2 + j2) * D) * 2;
+    __m512 va[NC], vb[NC];
+    for (int c = 0; c < NC; ++c) split_pairs(_mm512_loadu_ps(row + 32 * c), _mm512_loadu_ps(row + 32 * c + 16), va[c], vb[c]);
+    for (int i = 0; i < R; ++i) {
+      const __m512 pa = _mm512_set1_ps(probs[(i0 + i) * lds + 2 * j2]);
+      const __m512 pb = _mm512_set1_ps(probs[(i0 + i) * lds + 2 * j2 + 1]);
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_fmadd_ps(pb, vb[c], _mm512_fmadd_ps(pa, va[c], acc[i][c]));
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(it.state + (i0 + i) * (2 + D) + 2 + 16 * c, acc[i][c]);
+}
+
+template <typename T, int NC>
+void run_item(const Item<T>& it, float scale, std::vector<float>& buf) {
+  constexpr int D = 16 * NC;
+  const int width = it.j1 - it.j0;
+  const int lds = (width + 16) & ~15;  // room for a zero probability past an odd last key
+  buf.assign(static_cast<size_t>(it.rows) * lds, 0.f);
+  float* scores = buf.data();
+  for (int i0 = 0; i0 < it.rows; i0 += kRows) {
+    switch (std::min(kRows, it.rows - i0)) {
+#define KMESH_SCORE(R) case R: score_tile<NC, R>(it, i0, scale, scores, lds); break;
+      KMESH_SCORE(1) KMESH_SCORE(2) KMESH_SCORE(3) KMESH_SCORE(4) KMESH_SCORE(5) KMESH_SCORE(6)
+      KMESH_SCORE(7) KMESH_SCORE(8) KMESH_SCORE(9) KMESH_SCORE(10) KMESH_SCORE(11) KMESH_SCORE(12)
+#undef KMESH_SCORE
+    }
+  }
+  for (int i = 0; i < it.rows; ++i) {
+    float* s = scores + i * lds;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < width; j += 16) mx = _mm512_mask_max_ps(mx, lanes(width - j), mx, _mm512_loadu_ps(s + j));
+    const float top = _mm512_reduce_max_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < width; j += 16) {
+      const __mmask16 m = lanes(width - j);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(top))));
+      _mm512_storeu_ps(s + j, e);  // zero past the last key
+      sum = _mm512_add_ps(sum, e);
+    }
+    it.state[i * (2 + D)] = top;
+    it.state[i * (2 + D) + 1] = _mm512_reduce_add_ps(sum);
+  }
+  constexpr int R2 = NC <= 4 ? 4 : 2;
+  for (int i0 = 0; i0 < it.rows; i0 += R2) {
+    switch (std::min(R2, it.rows - i0)) {
+#define KMESH_VALUE(R) case R: value_tile<NC, (R <= R2 ? R : 1)>(it, i0, scores, lds); break;
+      KMESH_VALUE(1) KMESH_VALUE(2) KMESH_VALUE(3) KMESH_VALUE(4)
+#undef KMESH_VALUE
+    }
+  }
+}
+
+template <typename T, int NC>
+void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
+             const at::Tensor& key, const at::Tensor& value, at::Tensor& own_k,
+             at::Tensor& own_v, at::Tensor& own_bias, const at::Tensor& cols,
+             at::TensorList master_k, at::TensorList master_v, at::TensorList master_bias,
+             at::TensorList rotations, double scale) {
+  constexpr int D = 16 * NC;
+  const int64_t n = tokens.size(0), H = query.size(1), Hkv = own_k.size(1), G = H / Hkv;
+  const int64_t C = own_k.size(2) * 16, M = static_cast<int64_t>(master_k.size());
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* col = cols.data_ptr<int64_t>();
+  T* ok = own_k.data_ptr<T>();
+  T* ov = own_v.data_ptr<T>();
+  float* ob = own_bias.data_ptr<float>();
+  const int64_t obs = own_bias.stride(0);
+  // This step's key/value join each request's own rows.
+  for (int64_t r = 0; r < n; ++r) {
+    const T* k = key.data_ptr<T>() + tok[r] * key.stride(0);
+    const T* v = value.data_ptr<T>() + tok[r] * value.stride(0);
+    const int64_t c = col[r];
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        ok[(r * Hkv + h) * D * C + ((c / 16) * (D / 2) + d / 2) * 32 + (c % 16) * 2 + d % 2] = k[h * D + d];
+        ov[(r * Hkv + h) * C * D + ((c / 2) * D + d) * 2 + c % 2] = v[h * D + d];
+      }
+    ob[r * obs + c] = 0.f;
+  }
+  // Queries in fp32: level 0 as given, level 1 + g rotated into master g's frame (q . R_rg);
+  // and rounded to bf16 pairs for the dot-product instruction.
+  const int64_t rows = (1 + M) * n * H;
+  std::vector<float> qf(static_cast<size_t>(rows * D), 0.f);
+  std::vector<uint32_t> qp(static_cast<size_t>(rows * D / 2));
+  for (int64_t r = 0; r < n; ++r) {
+    const T* q = query.data_ptr<T>() + tok[r] * query.stride(0);
+    for (int64_t i = 0; i < H * D; ++i) qf[r * H * D + i] = to_float(q[i]);
+  }
+  for (int64_t g = 0; g < M; ++g) {
+    const float* rot = rotations[g].data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t h = 0; h < H; ++h) {
+        const float* q = qf.data() + (r * H + h) * D;
+        __m512 acc[NC];
+        for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
+        for (int d = 0; d < D; ++d)
+          for (int c = 0; c < NC; ++c)
+            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(rot + (r * D + d) * D + 16 * c), acc[c]);
+        float* dst = qf.data() + (((1 + g) * n + r) * H + h) * D;
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(dst + 16 * c, acc[c]);
+      }
+  }
+  for (int64_t i = 0; i < rows * D / 2; ++i) {
+    const uint32_t lo = bf16(qf[2 * i]).x, hi = bf16(qf[2 * i + 1]).x;
+    qp[i] = lo | (hi << 16);
+  }
+  // Work items: own rows per (request, KV head); each master per (KV head, chunk of keys).
+  std::vector<Item<T>> items;
+  std::vector<int64_t> first_chunk(M + 1, 0);  // item index of master g's first chunk
+  auto query_row = [&](int64_t level, int64_t r, int64_t hq, Item<T>& it, int i) {
+    const int64_t at = ((level * n + r) * H + hq) * D;
+    it.q[i] = qf.data() + at;
+    it.qp[i] = qp.data() + at / 2;
+  };
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      Item<T> it{};
+      it.rows = static_cast<int>(G);
+      for (int64_t i = 0; i < G; ++i) {
+        query_row(0, r, h * G + i, it, static_cast<int>(i));
+        it.bias[i] = ob + r * obs;
+      }
+      it.k = ok + (r * Hkv + h) * D * C;
+      it.v = ov + (r * Hkv + h) * C * D;
+      it.j0 = 0;
+      it.j1 = static_cast<int>(C);
+      items.push_back(it);
+    }
+  for (int64_t g = 0; g < M; ++g) {
+    first_chunk[g] = static_cast<int64_t>(items.size());
+    const int64_t S = master_bias[g].size(1), S16 = master_k[g].size(1), S2 = master_v[g].size(1);
+    const float* mb = master_bias[g].data_ptr<float>();
+    const int64_t mbs = master_bias[g].stride(0);
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t j0 = 0; j0 < S; j0 += kChunk) {
+        Item<T> it{};
+        it.rows = static_cast<int>(n * G);
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t i = 0; i < G; ++i) {
+            query_row(1 + g, r, h * G + i, it, static_cast<int>(r * G + i));
+            it.bias[r * G + i] = mb + r * mbs;
+          }
+        it.k = master_k[g].data_ptr<T>() + h * S16 * 16 * D;
+        it.v = master_v[g].data_ptr<T>() + h * S2 * D * 2;
+        it.j0 = static_cast<int>(j0);
+        it.j1 = static_cast<int>(std::min<int64_t>(S, j0 + kChunk));
+        items.push_back(it);
+      }
+  }
+  first_chunk[M] = static_cast<int64_t>(items.size());
+  std::vector<int64_t> state_at(items.size() + 1, 0);
+  for (size_t i = 0; i < items.size(); ++i) state_at[i + 1] = state_at[i] + items[i].rows * (2 + D);
+  std::vector<float> states(static_cast<size_t>(state_at.back()));
+  for (size_t i = 0; i < items.size(); ++i) items[i].state = states.data() + state_at[i];
+  std::atomic<int64_t> next{0};
+  const int64_t total = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(total, at::get_num_threads())))
+  {
+    std::vector<float> buf;
+    for (int64_t i = next++; i < total; i = next++) run_item<T, NC>(items[i], static_cast<float>(scale), buf);
+  }
+  // Merge per (request, query head): own state, then every chunk of every master.
+  T* o = out.data_ptr<T>();
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t hq = 0; hq < H; ++hq) {
+      const int64_t h = hq / G, i = hq % G;
+      std::vector<const float*> parts{items[r * Hkv + h].state + i * (2 + D)};
+      for (int64_t g = 0; g < M; ++g) {
+        const int64_t chunks = (first_chunk[g + 1] - first_chunk[g]) / Hkv;
+        for (int64_t c = 0; c < chunks; ++c)
+          parts.push_back(items[first_chunk[g] + h * chunks + c].state + (r * G + i) * (2 + D));
+      }
+      float top = -INFINITY;
+      for (const float* p : parts) top = std::max(top, p[0]);
+      float sum = 0.f, acc[D] = {};
+      for (const float* p : parts) {
+        const float w = std::exp(p[0] - top);
+        sum += w * p[1];
+        for (int d = 0; d < D; ++d) acc[d] += w * p[2 + d];
+      }
+      T* dst = o + tok[r] * out.stride(0) + hq * D;
+      for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] / sum);
+    }
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "kmesh cascade_decode: ", what); }
+
+}  // namespace
+
+// Shapes (X: float32 or bfloat16, the same for every K/V/query/output tensor; all on CPU):
+//   out [T, H, D], query [T, H, D], key/value [T, Hkv, D]: the step's tokens; rows tokens[r]
+//     (int64 [n]) are the n cascade requests'.
+//   own_k [n, Hkv, C/16, D/2, 16, 2] (keys: tiles of 16 by pairs of dimensions), own_v
+//     [n, Hkv, C/2, D, 2] (values, pairs of rows), C a multiple of 16, contiguous; own_bias [n, C] fp32; cols int64 [n]: the own column
+//     this step's key/value are written to (and its bias set to 0).
+//   per master g: k [Hkv, ceil(S/16), D/2, 16, 2], v [Hkv, ceil(S/2), D, 2] (zero rows past S),
+//     contiguous; bias [n, S] fp32; rotation [n, D, D] fp32 (request r's query in g's frame is
+//     q . rotation[r]).
+// Biases: 0 where the request reads the key, -1e30 where not; any row stride, unit column stride.
+void cascade_decode(at::Tensor out, at::Tensor tokens, at::Tensor query, at::Tensor key,
+                    at::Tensor value, at::Tensor own_k, at::Tensor own_v, at::Tensor own_bias,
+                    at::Tensor cols, at::TensorList master_k, at::TensorList master_v,
+                    at::TensorList master_bias, at::TensorList rotations, double scale) {
+  const auto X = query.scalar_type();
+  check(X == at::kFloat || X == at::kBFloat16, "query dtype must be float32 or bfloat16");
+  for (const at::Tensor* t : {&out, &key, &value, &own_k, &own_v})
+    check(t->scalar_type() == X && t->device().is_cpu(), "out/key/value/own rows: query's dtype, on CPU");
+  check(query.dim() == 3 && out.dim() == 3 && key.dim() == 3 && value.dim() == 3, "query/out/key/value are 3-d");
+  const int64_t n = tokens.size(0), H = query.size(1), D = query.size(2);
+  check(tokens.scalar_type() == at::kLong && cols.scalar_type() == at::kLong && cols.size(0) == n &&
+            tokens.is_contiguous() && cols.is_contiguous(), "tokens/cols: contiguous int64 [n]");
+  check(own_k.dim() == 6 && own_k.is_contiguous() && own_v.is_contiguous() && own_k.size(0) == n, "own_k: contiguous [n, Hkv, C/16, D/2, 16, 2]");
+  const int64_t Hkv = own_k.size(1), C = own_k.size(2) * 16;
+  check(own_k.sizes() == at::IntArrayRef({n, Hkv, C / 16, D / 2, 16, 2}), "own_k: [n, Hkv, C/16, D/2, 16, 2]");
+  check(n >= 1 && Hkv >= 1 && H % Hkv == 0 && n * (H / Hkv) <= 64, "heads: H a multiple of Hkv, n * H / Hkv <= 64");
+  check(own_v.sizes() == at::IntArrayRef({n, Hkv, C / 2, D, 2}), "own_v: [n, Hkv, C/2, D, 2]");
+  check(own_bias.scalar_type() == at::kFloat && own_bias.size(0) == n && own_bias.size(1) == C &&
+            own_bias.stride(1) == 1, "own_bias: fp32 [n, C], unit column stride");
+  for (const at::Tensor* t : {&out, &query, &key, &value})
+    check(t->stride(2) == 1 && t->stride(1) == t->size(2), "query/out/key/value: rows of [heads, D] contiguous");
+  check(key.size(1) == Hkv && value.size(1) == Hkv && key.size(2) == D && out.size(1) == H && out.size(2) == D,
+        "key/value [T, Hkv, D], out [T, H, D]");
+  const int64_t M = static_cast<int64_t>(master_k.size());
+  check(master_v.size() == master_k.size() && master_bias.size() == master_k.size() &&
+            rotations.size() == master_k.size(), "one v, bias and rotation per master");
+  for (int64_t g = 0; g < M; ++g) {
+    check(master_k[g].dim() == 5 && master_k[g].scalar_type() == X && master_v[g].scalar_type() == X, "masters: query's dtype");
+    check(master_bias[g].dim() == 2, "master bias: [n, S]");
+    const int64_t S = master_bias[g].size(1);
+    check(master_k[g].is_contiguous() && master_k[g].sizes() == at::IntArrayRef({Hkv, (S + 15) / 16, D / 2, 16, 2}), "master k: contiguous [Hkv, ceil(S/16), D/2, 16, 2]");
+    check(master_v[g].is_contiguous() && master_v[g].sizes() == at::IntArrayRef({Hkv, (S + 1) / 2, D, 2}), "master v: contiguous [Hkv, ceil(S/2), D, 2]");
+    check(master_bias[g].scalar_type() == at::kFloat && master_bias[g].size(0) == n && master_bias[g].size(1) == S &&
+              master_bias[g].stride(1) == 1, "master bias: fp32 [n, S], unit column stride");
+    check(rotations[g].scalar_type() == at::kFloat && rotations[g].is_contiguous() &&
+              rotations[g].sizes() == at::IntArrayRef({n, D, D}), "rotation: contiguous fp32 [n, D, D]");
+  }
+  const int64_t T = query.size(0);
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* col = cols.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    check(tok[r] >= 0 && tok[r] < T && tok[r] < key.size(0) && tok[r] < value.size(0) && tok[r] < out.size(0) &&
+              col[r] >= 0 && col[r] < C, "tokens within the step, cols within the own rows");
+  switch (D) {
+#define KMESH_CASE(NC)                                                                           \
+  case 16 * NC:                                                                                \
+    if (X == at::kFloat)                                                                       \
+      cascade<float, NC>(out, tokens, query, key, value, own_k, own_v, own_bias, cols,         \
+                         master_k, master_v, master_bias, rotations, scale);                   \
+    else                                                                                       \
+      cascade<bf16, NC>(out, tokens, query, key, value, own_k, own_v, own_bias, cols,          \
+                        master_k, master_v, master_bias, rotations, scale);                    \
+    break;
+    KMESH_CASE(2) KMESH_CASE(4) KMESH_CASE(8)
+#undef KMESH_CASE
+    default:
+      check(false, "head size must be 32, 64 or 128");
+  }
+}
+
+TORCH_LIBRARY(kmesh_cpu, m) { m.def("cascade_decode", &cascade_decode); }
