@@ -40,4 +40,7 @@ import torch
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print("install: imports ok, torch", torch.__version__)
 PY
+# Build the CPU cascade-decode kernel into torch's extension cache now rather than in the first
+# engine that needs it (≈ 20 s). Not fatal: without it cascade decode runs on plain torch ops.
+"$VENV/bin/python" -c "from kmesh_blend.cpu import cascade_decode_op as op; print('install: CPU kernel', op()[1] or 'built')"
 echo "$want" > "$STAMP"

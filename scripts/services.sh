@@ -2,7 +2,8 @@
 # Make sure the Debian packages that tests and benchmarks use are on this machine: redis-server
 # (the integration tests start their own servers on free 127.0.0.1 ports; the LMCache lm:// server
 # comes with the Python install) and libtcmalloc-minimal4 (the allocator vLLM's CPU guide asks
-# for; the vLLM benchmarks preload it). Idempotent and quiet: does nothing when both are present.
+# for; the vLLM benchmarks preload it), and g++ (builds kmesh_blend/cpu's kernel). Idempotent and
+# quiet: does nothing when all are present.
 set -euo pipefail
 
 have_tcmalloc() {
@@ -11,6 +12,7 @@ have_tcmalloc() {
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 have_tcmalloc || missing+=(libtcmalloc-minimal4)
+command -v c++ >/dev/null 2>&1 || missing+=(g++)  # builds the CPU cascade-decode kernel
 if [ ${#missing[@]} -eq 0 ]; then
     exit 0
 fi

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pair_values", "tile_keys", "untile_keys", "unpair_values"]
+__all__ = ["pair_values", "tile_keys", "unpair_values", "untile_keys"]
 
 
 def tile_keys(k_t: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ vLLM's forward unchanged. An exception inside the path hands every later step to
 
 from __future__ import annotations
 
+import itertools
 import logging
 import traceback
 from collections.abc import Callable
@@ -237,7 +238,7 @@ class CascadeDecode:
             cols,
             [m.k_t[index] for m, _ in masters],
             [m.v[index] for m, _ in masters],
-            [buffers.bias[:, a:b] for a, b in zip(starts, starts[1:], strict=False)],
+            [buffers.bias[:, a:b] for a, b in itertools.pairwise(starts)],
             composition.rotations,
             float(layer.impl.scale),
         )
@@ -383,8 +384,8 @@ class CascadeDecode:
                     reads[r] = torch.where(rows[layer], 0.0, MASKED)
                 parts.append(reads)
             first_free = torch.tensor([int(p.numel()) for p in prompt], dtype=torch.int64)
-            own = OwnRows(tile_keys(k_t), pair_values(v)) if tiled else OwnRows(k_t, v)
-            layers.append(_Layer(own, first_free, torch.cat(parts, dim=1)))
+            rows_of = OwnRows(tile_keys(k_t), pair_values(v)) if tiled else OwnRows(k_t, v)
+            layers.append(_Layer(rows_of, first_free, torch.cat(parts, dim=1)))
         rotations = []
         if tiled:  # q · R = the query rotated by −Δ (RoPE is linear in q)
             basis = torch.eye(self.head_dim).expand(n, -1, -1).contiguous()

@@ -105,3 +105,15 @@ def test_shared_master_layout() -> None:
     )
     assert torch.equal(shared.k_t[1, :, :, 4], master.kv[1, 0, 4])
     assert torch.equal(shared.v[2, :, 6], master.kv[2, 1, 6]) and shared.first == 2
+
+
+def test_shared_master_tiled_layout_is_the_cpu_kernels() -> None:
+    from kmesh_blend.cpu.layout import unpair_values, untile_keys
+
+    _, _, (_, _, master) = _request(torch.bfloat16, {})
+    plain = SharedMaster.of(master, torch.bfloat16)
+    tiled = SharedMaster.of(master, torch.bfloat16, tiled=True)
+    assert tiled.k_t.dtype == torch.bfloat16 and tiled.size == plain.size == 10
+    assert tiled.k_t.shape == (LAYERS, HEADS, 1, DIM // 2, 16, 2)
+    assert torch.equal(untile_keys(tiled.k_t, 10).float(), plain.k_t)
+    assert torch.equal(unpair_values(tiled.v, 10).float(), plain.v)

@@ -1,0 +1,148 @@
+"""The CPU cascade kernel (`kmesh_blend/cpu/cascade_decode.cpp`) against the fp32 reference of
+the same math (`kmesh_blend.attention.decode.decode_cascade`), and its layouts
+(`kmesh_blend.cpu.layout`). fp32: within 1e-5 (sums in another order). bf16 K/V: the kernel
+rounds each query and each probability to bf16 for the dot-product instruction (fp32 sums) and
+writes bf16 outputs: within 1e-2 of the reference on N(0, 1) data (2⁻⁸ relative per rounding)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from kmesh_blend.attention.decode import MASKED, MasterRows, OwnRows, decode_cascade
+from kmesh_blend.cpu import cascade_decode_op, cpu_kernel_expected
+from kmesh_blend.cpu.layout import pair_values, tile_keys, unpair_values, untile_keys
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Any:
+    op, why = cascade_decode_op()
+    if op is None:
+        assert not cpu_kernel_expected(), f"this machine should build the kernel: {why}"
+        pytest.skip(f"no CPU kernel here: {why}")
+    return op
+
+
+def test_layouts_round_trip_and_place_each_element() -> None:
+    k_t, v = torch.randn(2, 3, 64, 37), torch.randn(2, 3, 37, 64)
+    tiled, paired = tile_keys(k_t), pair_values(v)
+    assert tiled.shape == (2, 3, 3, 32, 16, 2) and paired.shape == (2, 3, 19, 64, 2)
+    assert torch.equal(untile_keys(tiled, 37), k_t) and torch.equal(unpair_values(paired, 37), v)
+    flat_k, flat_v = tiled[1, 2].flatten(), paired[1, 2].flatten()
+    for d, j in [(0, 0), (5, 20), (63, 36), (32, 17)]:
+        assert flat_k[((j // 16) * 32 + d // 2) * 32 + (j % 16) * 2 + d % 2] == k_t[1, 2, d, j]
+        assert flat_v[((j // 2) * 64 + d) * 2 + j % 2] == v[1, 2, j, d]
+    assert not tiled[..., 2, :, 5:, :].any() and not paired[..., 18, :, 1].any()  # zero padding
+
+
+def _case(
+    dtype: torch.dtype, n: int, heads: int, kv_heads: int, dim: int, own: int, sizes: list[int]
+) -> tuple[tuple[Any, ...], torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Kernel arguments, the reference output [n, H, D], and the own buffers after the step."""
+    gen = torch.Generator().manual_seed(n * 1000 + dim + own)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    steps = n + 3
+    tokens = torch.randperm(steps, generator=gen)[:n].contiguous()
+    q, k, v = rand(steps, heads, dim), rand(steps, kv_heads, dim), rand(steps, kv_heads, dim)
+    own_k, own_v = rand(n, kv_heads, dim, own), rand(n, kv_heads, own, dim)
+    bias = torch.zeros(n, own + sum(sizes))
+    bias[torch.rand(n, own + sum(sizes), generator=gen) < 0.2] = MASKED
+    if len(sizes) > 1:
+        bias[0, own + sizes[0] :] = MASKED  # request 0 reads nothing of the second master
+    cols = torch.randint(0, own, (n,), generator=gen)
+    masters = [(rand(kv_heads, dim, s), rand(kv_heads, s, dim)) for s in sizes]
+    rotations = [
+        torch.linalg.qr(torch.randn(n, dim, dim, generator=gen))[0].contiguous() for _ in sizes
+    ]
+    want_k, want_v, want_bias = own_k.clone(), own_v.clone(), bias.clone()
+    for r in range(n):
+        want_k[r, :, :, cols[r]] = k[tokens[r]]
+        want_v[r, :, cols[r]] = v[tokens[r]]
+        want_bias[r, cols[r]] = 0.0
+    qf = q[tokens].float()
+    rows = [
+        MasterRows(mk.float(), mv.float(), torch.bmm(qf, rot))
+        for (mk, mv), rot in zip(masters, rotations, strict=True)
+    ]
+    want = decode_cascade(qf, OwnRows(want_k.float(), want_v.float()), rows, want_bias, 0.125)
+    starts = [own]
+    for s in sizes:
+        starts.append(starts[-1] + s)
+    args = (
+        torch.zeros(steps, heads, dim, dtype=dtype), tokens, q, k, v,
+        tile_keys(own_k), pair_values(own_v), bias[:, :own], cols,
+        [tile_keys(mk) for mk, _ in masters], [pair_values(mv) for _, mv in masters],
+        [bias[:, a:b] for a, b in itertools.pairwise(starts)], rotations, 0.125,
+    )  # fmt: skip
+    return args, want, (tile_keys(want_k), pair_values(want_v), want_bias)
+
+
+SHAPES = [
+    # n, H, Hkv, D, own columns, master sizes
+    (8, 9, 3, 64, 480, [2048]),  # SmolLM2's heads, a family of 8 over a 2,048-token document
+    (1, 4, 2, 32, 48, [101, 33]),  # one request, two masters, odd sizes
+    (3, 8, 2, 128, 32, [5, 301]),
+    (21, 3, 1, 64, 16, [600]),  # 63 query rows on one KV head: the kernel's limit is 64
+    (2, 4, 4, 64, 64, []),  # no master: own rows only
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"n{s[0]}-D{s[3]}-{len(s[5])}m")
+def test_kernel_matches_the_reference(kernel: Any, dtype: torch.dtype, shape: tuple) -> None:
+    args, want, (want_k, want_v, want_bias) = _case(dtype, *shape)
+    out, tokens = args[0], args[1]
+    kernel(*args)
+    err = float((out[tokens].float() - want).abs().max())
+    assert err <= TOL[dtype], err
+    # this step's K/V joined the own rows in place, and their bias reads them
+    assert torch.equal(args[5], want_k) and torch.equal(args[6], want_v)
+    assert torch.equal(args[7], want_bias[:, : args[7].shape[1]])
+    others = torch.ones(out.shape[0], dtype=torch.bool)
+    others[tokens] = False
+    assert not out[others].any()  # rows of other tokens untouched
+
+
+def test_a_masked_row_weighs_nothing(kernel: Any) -> None:
+    """A master row masked for a request changes nothing of its output however large its
+    score; unmasking it does."""
+    args, _, _ = _case(torch.float32, 2, 4, 2, 64, 32, [64])
+    master_k, bias = args[9][0], args[11][0]
+    bias[0, 7] = MASKED
+    kernel(*args)
+    first = args[0].clone()
+    master_k.view(2, 4, 32, 16, 2)[:, 0, :, 7, :] = 1e3  # key 7 of every head: a huge score
+    kernel(*args)
+    assert torch.equal(args[0][args[1][0]], first[args[1][0]])
+    assert not torch.allclose(args[0][args[1][1]], first[args[1][1]])
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "message"),
+    [
+        (6, lambda t: t[..., :1].contiguous(), "own_v"),
+        (7, lambda t: t.double(), "own_bias"),
+        (8, lambda t: t + 1000, "cols"),
+        (12, lambda ts: [t[:, :5] for t in ts], "rotation"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(kernel: Any, field: int, bad: Any, message: str) -> None:
+    args = list(_case(torch.float32, 2, 4, 2, 64, 32, [40])[0])
+    args[field] = bad(args[field])
+    with pytest.raises(RuntimeError, match=message):
+        kernel(*args)
+
+
+def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kmesh_blend import cpu
+
+    monkeypatch.setenv("KMESH_CPU_KERNELS", "0")
+    assert cpu._load() == (None, "KMESH_CPU_KERNELS=0") and not cpu.cpu_kernel_expected()
