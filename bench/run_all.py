@@ -86,7 +86,7 @@ def write_readme_table() -> None:
         mode = "quick" if r.get("quick") else "full"
         rows.append(
             f"| {r['name']} | {r['metric']} | {r['value']:.3g} {r.get('unit', '')} "
-            f"| {r.get('goal', '—')} | {r.get('baseline', '—')} | {mode} |"
+            f"| {r.get('goal') if r.get('goal') is not None else '—'} | {r.get('baseline', '—')} | {mode} |"
         )
     if len(rows) == 2:
         rows.append("| — | not measured yet | — | — | — | — |")
