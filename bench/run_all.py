@@ -84,9 +84,10 @@ def write_readme_table() -> None:
     for path in sorted(RESULTS.glob("*.json")):
         r = json.loads(path.read_text())
         mode = "quick" if r.get("quick") else "full"
+        goal = "—" if r.get("goal") is None else r["goal"]
         rows.append(
             f"| {r['name']} | {r['metric']} | {r['value']:.3g} {r.get('unit', '')} "
-            f"| {r.get('goal') if r.get('goal') is not None else '—'} | {r.get('baseline', '—')} | {mode} |"
+            f"| {goal} | {r.get('baseline', '—')} | {mode} |"
         )
     if len(rows) == 2:
         rows.append("| — | not measured yet | — | — | — | — |")
