@@ -6,8 +6,10 @@
 // key/value to each request's own rows, rotate each query into every master's frame, score,
 // softmax and weight the values per (level, KV head, key chunk) on the intra-op threads, merge
 // the chunks' (max, sum, unnormalized output) states exactly, and write the output rows.
-// K/V are read in their stored dtype (fp32 or bf16) and every product is fp32, so a bf16 cache
-// costs half the bytes without a 16-bit product.
+// K/V are read in their stored dtype. fp32: fp32 products. bf16: vdpbf16ps (pairs of bf16
+// products summed in fp32); the operands bf16 does not hold — queries rotated into a master's
+// frame, softmax probabilities — go in as two bf16 terms (value, then what its rounding left), so
+// the products are as exact as fp32 on the stored K/V.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -59,13 +61,17 @@ inline __m512 exp16(__m512 x) {
 // Keys in tiles of 16 keys by pairs of dimensions: element (d, j) at
 // k[((j / 16) * (D / 2) + d / 2) * 32 + (j % 16) * 2 + d % 2] (a tile's 2 KiB read in order); values
 // in pairs of keys: element (j, e) at v[((j / 2) * D + e) * 2 + j % 2]. q[i]: row i's query, fp32;
-// qp[i]: the same rounded to bf16, as pairs of dimensions (bf16 storage only). bias[i]: row i's
+// qp[i]: the same rounded to bf16, as pairs of dimensions, and ql[i] what that rounding left
+// (bf16 storage only; ``split``: use ql too — queries rotated into a master's frame, which bf16
+// does not hold exactly; the model's own queries are bf16 already). bias[i]: row i's
 // additive bias per key (0 read, -1e30 masked). state: rows x (2 + D) floats (max, sum of
 // e^(s - max), sum of e^(s - max) v).
 template <typename T>
 struct Item {
   const float* q[64];
   const uint32_t* qp[64];
+  const uint32_t* ql[64];
+  bool split;
   const float* bias[64];
   int rows;
   const T* k;
@@ -76,8 +82,8 @@ struct Item {
 
 // scores[i][j] = scale * q_i . k_j + bias_i[j]: bf16 pairs through the dot-product instruction
 // (fp32 sums), fp32 pairs split and multiplied in fp32.
-template <int NC, int R>
-void score_tile(const Item<bf16>& it, int i0, float scale, float* scores, int lds) {
+template <int NC, int R, bool SPLIT>
+void score_bf16(const Item<bf16>& it, int i0, float scale, float* scores, int lds) {
   const int width = it.j1 - it.j0;
   for (int j = 0; j < width; j += 16) {
     const __mmask16 m = lanes(width - j);
@@ -86,14 +92,24 @@ void score_tile(const Item<bf16>& it, int i0, float scale, float* scores, int ld
     const auto* tile = it.k + static_cast<int64_t>((it.j0 + j) / 16) * 16 * NC * 16;
     for (int d2 = 0; d2 < 8 * NC; ++d2) {
       const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi32(m, tile + d2 * 32);
-      for (int i = 0; i < R; ++i)
+      for (int i = 0; i < R; ++i) {
         acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(it.qp[i0 + i][d2]), k);
+        if (SPLIT) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(it.ql[i0 + i][d2]), k);
+      }
     }
     for (int i = 0; i < R; ++i) {
       const __m512 b = _mm512_maskz_loadu_ps(m, it.bias[i0 + i] + it.j0 + j);
       _mm512_mask_storeu_ps(scores + (i0 + i) * lds + j, m, _mm512_fmadd_ps(acc[i], _mm512_set1_ps(scale), b));
     }
   }
+}
+
+template <int NC, int R>
+void score_tile(const Item<bf16>& it, int i0, float scale, float* scores, int lds) {
+  if (it.split)
+    score_bf16<NC, R, true>(it, i0, scale, scores, lds);
+  else
+    score_bf16<NC, R, false>(it, i0, scale, scores, lds);
 }
 
 template <int NC, int R>
@@ -126,15 +142,21 @@ template <int NC, int R>
 void value_tile(const Item<bf16>& it, int i0, const float* probs, int lds) {
   constexpr int D = 16 * NC;
   const int pairs = (it.j1 - it.j0 + 1) / 2;
-  // The probabilities as bf16: pair (j, j + 1) is then one 32-bit word.
+  // The probabilities as bf16 (pair (j, j + 1) is then one 32-bit word), and what that rounding
+  // left, also in bf16: p = hi + lo to about 2^-16, so the product keeps fp32-like weights.
   const int stride = (pairs + 7) & ~7;  // whole 16-wide conversions
-  std::vector<uint32_t> pp(static_cast<size_t>(R) * stride);
+  std::vector<uint32_t> pp(static_cast<size_t>(2 * R) * stride);
   for (int i = 0; i < R; ++i) {
     const float* p = probs + (i0 + i) * lds;
-    auto* dst = reinterpret_cast<bf16*>(pp.data() + i * stride);
-    for (int j = 0; j < 2 * pairs; j += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + j)));
+    auto* hi = reinterpret_cast<bf16*>(pp.data() + i * stride);
+    auto* lo = reinterpret_cast<bf16*>(pp.data() + (R + i) * stride);
+    for (int j = 0; j < 2 * pairs; j += 16) {
+      const __m512 x = _mm512_loadu_ps(p + j);
+      const __m256bh h = _mm512_cvtneps_pbh(x);
+      const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + j), (__m256i)h);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + j), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, back)));
+    }
   }
   __m512 acc[R][NC];
   for (int i = 0; i < R; ++i)
@@ -145,7 +167,8 @@ void value_tile(const Item<bf16>& it, int i0, const float* probs, int lds) {
     for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(row + 32 * c);
     for (int i = 0; i < R; ++i) {
       const __m512bh p = (__m512bh)_mm512_set1_epi32(pp[i * stride + j2]);
-      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], p, v[c]);
+      const __m512bh q = (__m512bh)_mm512_set1_epi32(pp[(R + i) * stride + j2]);
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][c], p, v[c]), q, v[c]);
     }
   }
   for (int i = 0; i < R; ++i)
@@ -241,10 +264,10 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
     ob[r * obs + c] = 0.f;
   }
   // Queries in fp32: level 0 as given, level 1 + g rotated into master g's frame (q . R_rg);
-  // and rounded to bf16 pairs for the dot-product instruction.
+  // then as bf16 pairs of dimensions for the dot-product instruction, with their residuals.
   const int64_t rows = (1 + M) * n * H;
   std::vector<float> qf(static_cast<size_t>(rows * D), 0.f);
-  std::vector<uint32_t> qp(static_cast<size_t>(rows * D / 2));
+  std::vector<uint32_t> qp(static_cast<size_t>(rows * D));  // pairs: rounded, then residuals
   for (int64_t r = 0; r < n; ++r) {
     const T* q = query.data_ptr<T>() + tok[r] * query.stride(0);
     for (int64_t i = 0; i < H * D; ++i) qf[r * H * D + i] = to_float(q[i]);
@@ -264,8 +287,10 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
       }
   }
   for (int64_t i = 0; i < rows * D / 2; ++i) {
-    const uint32_t lo = bf16(qf[2 * i]).x, hi = bf16(qf[2 * i + 1]).x;
-    qp[i] = lo | (hi << 16);
+    const bf16 a(qf[2 * i]), b(qf[2 * i + 1]);
+    qp[i] = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(b.x) << 16);
+    const bf16 ra(qf[2 * i] - static_cast<float>(a)), rb(qf[2 * i + 1] - static_cast<float>(b));
+    qp[rows * D / 2 + i] = static_cast<uint32_t>(ra.x) | (static_cast<uint32_t>(rb.x) << 16);
   }
   // Work items: own rows per (request, KV head); each master per (KV head, chunk of keys).
   std::vector<Item<T>> items;
@@ -274,6 +299,8 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
     const int64_t at = ((level * n + r) * H + hq) * D;
     it.q[i] = qf.data() + at;
     it.qp[i] = qp.data() + at / 2;
+    it.ql[i] = qp.data() + rows * D / 2 + at / 2;
+    it.split = level > 0;
   };
   for (int64_t r = 0; r < n; ++r)
     for (int64_t h = 0; h < Hkv; ++h) {

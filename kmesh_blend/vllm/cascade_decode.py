@@ -29,12 +29,10 @@ from typing import Any, NamedTuple
 import torch
 
 from kmesh_blend.attention.decode import (
-    MASKED,
     MasterRows,
-    OwnRows,
     decode_cascade,
 )
-from kmesh_blend.cpu.layout import pair_values, tile_keys
+from kmesh_blend.vllm.cascade_buffers import Composition, Sources, compose
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout
 from kmesh_blend.vllm.paged_attention import KernelBatch, run_kernel, sub_batch
@@ -46,7 +44,6 @@ log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 ReqIds = Callable[[int], "list[str] | None"]
 Kernel = Callable[..., Any]  # torch.ops.kmesh_cpu.cascade_decode (see kmesh_blend/cpu)
 
-_HEADROOM = 32  # own columns for generated rows added at a time (buffers grow by copying)
 _paused = False
 
 
@@ -65,33 +62,9 @@ class Heads(NamedTuple):
     head_dim: int
 
 
-class _Layer(NamedTuple):
-    """One layer's buffers of a set of plans decoding together (n requests).
-
-    own: each request's own rows — prompt rows it does not read from a master, then its
-    generated rows — torch path: fp32 k_t [n, Hkv, D, C] and v [n, Hkv, C, D]; kernel: the KV
-    dtype, k [n, Hkv, C/16, D/2, 16, 2] and v [n, Hkv, C/2, D, 2] (C a multiple of 16).
-    ``first_free`` [n] int64: where request r's generated rows start. bias: [n, C + ΣS] fp32
-    over own rows then masters.
-    """
-
-    own: OwnRows
-    first_free: torch.Tensor
-    bias: torch.Tensor
-
-
-class _Composition(NamedTuple):
-    key: tuple[str, ...]
-    layers: list[_Layer]
-    masters: list[tuple[SharedMaster, torch.Tensor]]  # with −Δ per request [n] int64
-    rotations: list[torch.Tensor]  # per master [n, D, D] fp32: q · R rotates q by −Δ (kernel)
-    filled: list[int]  # generated rows in the buffers, per request (all layers)
-    capacity: int  # own columns C − the widest prompt part: room for generated rows
-
-
 class _Step(NamedTuple):
     tokens: torch.Tensor  # [n] int64 query rows of the cascade requests
-    composition: _Composition
+    composition: Composition
     generated: torch.Tensor  # [n] int64: generated rows before this step's token
     others: tuple[torch.Tensor, KernelBatch] | None
     rows: torch.Tensor  # [n] int64: 0..n-1
@@ -123,7 +96,7 @@ class CascadeDecode:
         self.reports: dict[str, dict[str, Any]] = {}  # req_id → report fields, taken per step
         self._meta: tuple[Any, int] | None = None  # what the cached step was built for
         self._step: _Step | None = None
-        self._composition: _Composition | None = None
+        self._composition: Composition | None = None
         self.broken: str | None = None  # set by an error inside the path: vLLM's forward only
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -339,83 +312,13 @@ class CascadeDecode:
 
     def _compose(
         self, meta: Any, chosen: list[tuple[int, DecodePlan]], generated: list[int]
-    ) -> _Composition:
-        """The buffers of this set of plans: kept from the last step while the set is the same
-        and each request has exactly one row more; else built from the paged cache."""
-        key = tuple(plan.req_id for _, plan in chosen)
-        last = self._composition
-        if last is not None and last.key == key and last.filled == generated:
-            return last if max(generated) < last.capacity else _grown(last, _HEADROOM)
-        n, block_size = len(chosen), self.layout.block_size
-        capacity = max(generated) + _HEADROOM
-        readers: dict[str, list[tuple[int, MasterUse, torch.Tensor]]] = {}
-        for r, (_, plan) in enumerate(chosen):
-            for use, rows in zip(plan.uses, plan.shared, strict=True):
-                readers.setdefault(use.key, []).append((r, use, rows))
-        masters = []
-        for master_key, group in readers.items():
-            master = self.masters[master_key]
-            deltas = torch.zeros(n, dtype=torch.int64)
-            for r, use, _ in group:
-                deltas[r] = use.start - master.first
-            masters.append((master, -deltas, group))
-        layers, tiled = [], self.kernel is not None
-        for layer, cache in enumerate(self.caches):
-            prompt = [plan.own_slots[layer] for _, plan in chosen]
-            width = max(int(p.numel()) for p in prompt) + capacity
-            if tiled:  # whole tiles of 16 keys
-                width += -width % 16
-            # the torch path computes on fp32 copies, as its masters (`SharedMaster`)
-            own_dtype = cache.dtype if tiled else torch.float32
-            k_t = torch.zeros(n, self.num_kv_heads, self.head_dim, width, dtype=own_dtype)
-            v = torch.zeros(n, self.num_kv_heads, width, self.head_dim, dtype=own_dtype)
-            parts = [torch.full((n, width), MASKED)]
-            for r, ((i, plan), own) in enumerate(zip(chosen, prompt, strict=True)):
-                pos = torch.arange(plan.num_tokens, plan.num_tokens + generated[r])
-                blocks = meta.block_table[i].to(torch.int64)[pos // block_size]
-                slots = torch.cat((own, blocks * block_size + pos % block_size))
-                rk, rv = self.layout.read(cache, slots.to(cache.device))
-                k_t[r, :, :, : slots.numel()] = rk.cpu().to(own_dtype).permute(1, 2, 0)
-                v[r, :, : slots.numel()] = rv.cpu().to(own_dtype).transpose(0, 1)
-                parts[0][r, : slots.numel()] = 0.0
-            for master, _, group in masters:
-                reads = torch.full((n, master.size), MASKED)
-                for r, _, rows in group:
-                    reads[r] = torch.where(rows[layer], 0.0, MASKED)
-                parts.append(reads)
-            first_free = torch.tensor([int(p.numel()) for p in prompt], dtype=torch.int64)
-            rows_of = OwnRows(tile_keys(k_t), pair_values(v)) if tiled else OwnRows(k_t, v)
-            layers.append(_Layer(rows_of, first_free, torch.cat(parts, dim=1)))
-        rotations = []
-        if tiled:  # q · R = the query rotated by −Δ (RoPE is linear in q)
-            basis = torch.eye(self.head_dim).expand(n, -1, -1).contiguous()
-            rotations = [self.rope.apply(basis, back).contiguous() for _, back, _ in masters]
-        return _Composition(
-            key,
-            layers,
-            [(m, back) for m, back, _ in masters],
-            rotations,
-            list(generated),
-            capacity,
+    ) -> Composition:
+        return compose(
+            meta,
+            chosen,
+            generated,
+            self._composition,
+            Sources(self.masters, self.caches, self.layout, self.rope),
+            (self.num_kv_heads, self.head_dim),
+            tiled=self.kernel is not None,
         )
-
-
-def _grown(old: _Composition, extra: int) -> _Composition:
-    """``old`` with ``extra`` (a multiple of 16) more own columns per layer (copied, not gathered
-    again)."""
-    layers = []
-    for buffers in old.layers:
-        k_t, v = buffers.own
-        if k_t.dim() == 6:  # the kernel's tiles: new tiles and pairs at the end
-            width = k_t.shape[2] * 16
-            new_k = torch.cat((k_t, k_t.new_zeros(*k_t.shape[:2], extra // 16, *k_t.shape[3:])), 2)
-            new_v = torch.cat((v, v.new_zeros(*v.shape[:2], extra // 2, *v.shape[3:])), 2)
-        else:
-            width = k_t.shape[-1]
-            new_k = k_t.new_zeros((*k_t.shape[:-1], width + extra))
-            new_v = v.new_zeros((v.shape[0], v.shape[1], width + extra, v.shape[3]))
-            new_k[..., :width], new_v[:, :, :width] = k_t, v
-        pad = torch.full((k_t.shape[0], extra), MASKED)
-        bias = torch.cat((buffers.bias[:, :width], pad, buffers.bias[:, width:]), dim=1)
-        layers.append(_Layer(OwnRows(new_k, new_v), buffers.first_free, bias))
-    return old._replace(layers=layers, capacity=old.capacity + extra)

@@ -1,8 +1,8 @@
 """The CPU cascade kernel (`kmesh_blend/cpu/cascade_decode.cpp`) against the fp32 reference of
 the same math (`kmesh_blend.attention.decode.decode_cascade`), and its layouts
-(`kmesh_blend.cpu.layout`). fp32: within 1e-5 (sums in another order). bf16 K/V: the kernel
-rounds each query and each probability to bf16 for the dot-product instruction (fp32 sums) and
-writes bf16 outputs: within 1e-2 of the reference on N(0, 1) data (2⁻⁸ relative per rounding)."""
+(`kmesh_blend.cpu.layout`). fp32: within 1e-5 (sums in another order). bf16 K/V: products as
+exact as fp32 (rotated queries and probabilities go in as bf16 pairs, fp32 sums); the bf16 output
+rounding (2⁻⁸ relative) dominates: within 1e-2 of the reference on N(0, 1) data."""
 
 from __future__ import annotations
 

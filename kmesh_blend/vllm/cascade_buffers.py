@@ -1,0 +1,151 @@
+"""The buffers a set of cascade requests decodes from, per layer: own rows, biases, rotations.
+
+Owned by `kmesh_blend.vllm.cascade_decode` (one `Composition` per set of requests decoding
+together, kept step after step while the set stays the same). Each request's own rows (the prompt
+rows it does not read from a master, copied out of its paged blocks once, then its generated
+rows, appended every step) in one of two layouts: fp32 copies for the plain-torch path, or the
+KV dtype in the CPU kernel's tiles (`kmesh_blend.cpu.layout`). Plain torch, no vLLM import.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from kmesh_blend.attention.decode import MASKED, OwnRows
+from kmesh_blend.cpu.layout import pair_values, tile_keys
+from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
+from kmesh_blend.vllm.paged import PagedLayout
+
+__all__ = ["HEADROOM", "Composition", "Layer", "Sources", "compose", "grown"]
+
+HEADROOM = 32  # own columns for generated rows added at a time (buffers grow by copying)
+
+
+class Sources(NamedTuple):
+    """Where buffers come from: the live masters by key, the paged caches (one per layer) and
+    their layout, the model's rotary embedding."""
+
+    masters: dict[str, SharedMaster]
+    caches: list[torch.Tensor]
+    layout: PagedLayout
+    rope: Any
+
+
+class Layer(NamedTuple):
+    """One layer's buffers of a set of plans decoding together (n requests).
+
+    own: each request's own rows — prompt rows it does not read from a master, then its
+    generated rows — torch path: fp32 k_t [n, Hkv, D, C] and v [n, Hkv, C, D]; kernel: the KV
+    dtype, k [n, Hkv, C/16, D/2, 16, 2] and v [n, Hkv, C/2, D, 2] (C a multiple of 16).
+    ``first_free`` [n] int64: where request r's generated rows start. bias: [n, C + ΣS] fp32
+    over own rows then masters.
+    """
+
+    own: OwnRows
+    first_free: torch.Tensor
+    bias: torch.Tensor
+
+
+class Composition(NamedTuple):
+    """A set of requests (``key``: their ids, in batch order) and their buffers per layer."""
+
+    key: tuple[str, ...]
+    layers: list[Layer]
+    masters: list[tuple[SharedMaster, torch.Tensor]]  # with −Δ per request [n] int64
+    rotations: list[torch.Tensor]  # per master [n, D, D] fp32: q · R rotates q by −Δ (kernel)
+    filled: list[int]  # generated rows in the buffers, per request (all layers)
+    capacity: int  # own columns C − the widest prompt part: room for generated rows
+
+
+def compose(
+    meta: Any,
+    chosen: list[tuple[int, DecodePlan]],
+    generated: list[int],
+    last: Composition | None,
+    src: Sources,
+    kv_heads_dim: tuple[int, int],
+    tiled: bool,
+) -> Composition:
+    """The buffers of the plans ``chosen`` (batch row, plan) decoding together, each with
+    ``generated`` rows so far: ``last`` while the set is the same and each request has exactly
+    one row more (grown when full), else built from the paged cache. ``tiled``: the CPU
+    kernel's layouts (`kmesh_blend.cpu.layout`), else fp32 copies for the torch path."""
+    key = tuple(plan.req_id for _, plan in chosen)
+    if last is not None and last.key == key and last.filled == generated:
+        return last if max(generated) < last.capacity else grown(last, HEADROOM)
+    n, block_size = len(chosen), src.layout.block_size
+    kv_heads, dim = kv_heads_dim
+    capacity = max(generated) + HEADROOM
+    readers: dict[str, list[tuple[int, MasterUse, torch.Tensor]]] = {}
+    for r, (_, plan) in enumerate(chosen):
+        for use, rows in zip(plan.uses, plan.shared, strict=True):
+            readers.setdefault(use.key, []).append((r, use, rows))
+    masters = []
+    for master_key, group in readers.items():
+        master = src.masters[master_key]
+        deltas = torch.zeros(n, dtype=torch.int64)
+        for r, use, _ in group:
+            deltas[r] = use.start - master.first
+        masters.append((master, -deltas, group))
+    layers: list[Layer] = []
+    for layer, cache in enumerate(src.caches):
+        prompt = [plan.own_slots[layer] for _, plan in chosen]
+        width = max(int(p.numel()) for p in prompt) + capacity
+        if tiled:  # whole tiles of 16 keys
+            width += -width % 16
+        # the torch path computes on fp32 copies, as its masters (`SharedMaster`)
+        own_dtype = cache.dtype if tiled else torch.float32
+        k_t = torch.zeros(n, kv_heads, dim, width, dtype=own_dtype)
+        v = torch.zeros(n, kv_heads, width, dim, dtype=own_dtype)
+        parts = [torch.full((n, width), MASKED)]
+        for r, ((i, plan), own) in enumerate(zip(chosen, prompt, strict=True)):
+            pos = torch.arange(plan.num_tokens, plan.num_tokens + generated[r])
+            blocks = meta.block_table[i].to(torch.int64)[pos // block_size]
+            slots = torch.cat((own, blocks * block_size + pos % block_size))
+            rk, rv = src.layout.read(cache, slots.to(cache.device))
+            k_t[r, :, :, : slots.numel()] = rk.cpu().to(own_dtype).permute(1, 2, 0)
+            v[r, :, : slots.numel()] = rv.cpu().to(own_dtype).transpose(0, 1)
+            parts[0][r, : slots.numel()] = 0.0
+        for master, _, group in masters:
+            reads = torch.full((n, master.size), MASKED)
+            for r, _, rows in group:
+                reads[r] = torch.where(rows[layer], 0.0, MASKED)
+            parts.append(reads)
+        first_free = torch.tensor([int(p.numel()) for p in prompt], dtype=torch.int64)
+        rows_of = OwnRows(tile_keys(k_t), pair_values(v)) if tiled else OwnRows(k_t, v)
+        layers.append(Layer(rows_of, first_free, torch.cat(parts, dim=1)))
+    rotations = []
+    if tiled:  # q · R = the query rotated by −Δ (RoPE is linear in q)
+        basis = torch.eye(dim).expand(n, -1, -1).contiguous()
+        rotations = [src.rope.apply(basis, back).contiguous() for _, back, _ in masters]
+    return Composition(
+        key,
+        layers,
+        [(m, back) for m, back, _ in masters],
+        rotations,
+        list(generated),
+        capacity,
+    )
+
+
+def grown(old: Composition, extra: int) -> Composition:
+    """``old`` with ``extra`` (a multiple of 16) more own columns per layer (copied, not gathered
+    again)."""
+    layers = []
+    for buffers in old.layers:
+        k_t, v = buffers.own
+        if k_t.dim() == 6:  # the kernel's tiles: new tiles and pairs at the end
+            width = k_t.shape[2] * 16
+            new_k = torch.cat((k_t, k_t.new_zeros(*k_t.shape[:2], extra // 16, *k_t.shape[3:])), 2)
+            new_v = torch.cat((v, v.new_zeros(*v.shape[:2], extra // 2, *v.shape[3:])), 2)
+        else:
+            width = k_t.shape[-1]
+            new_k = k_t.new_zeros((*k_t.shape[:-1], width + extra))
+            new_v = v.new_zeros((v.shape[0], v.shape[1], width + extra, v.shape[3]))
+            new_k[..., :width], new_v[:, :, :width] = k_t, v
+        pad = torch.full((k_t.shape[0], extra), MASKED)
+        bias = torch.cat((buffers.bias[:, :width], pad, buffers.bias[:, width:]), dim=1)
+        layers.append(Layer(OwnRows(new_k, new_v), buffers.first_free, bias))
+    return old._replace(layers=layers, capacity=old.capacity + extra)
