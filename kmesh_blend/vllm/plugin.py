@@ -34,8 +34,10 @@ _RUNNERS = {
     "vllm.v1.worker.cpu_model_runner": "CPUModelRunner",
     "vllm.v1.worker.gpu.model_runner": "ModelRunner",
 }
-_models: dict[int, Any] = {}  # id(VllmConfig) → loaded model
-_last: list[Any] = []  # the most recently loaded model in this process
+# Weak: an engine's model (and, through the cascade decode path installed on its attention
+# layers, its KV cache) must go with the engine, not live as long as the process.
+_models: dict[int, weakref.ref[Any]] = {}  # id(VllmConfig) → loaded model
+_last: list[weakref.ref[Any]] = []  # the most recently loaded model in this process
 _runners: dict[int, weakref.ref[Any]] = {}  # id(VllmConfig) → the runner that loaded it
 _lock = threading.Lock()
 _registered = False
@@ -58,9 +60,10 @@ def loaded_model(vllm_config: Any) -> Any | None:
     Falls back to the single model this process loaded, then to a model runner on the caller's
     stack (when the plugin did not run)."""
     with _lock:
-        model = _models.get(id(vllm_config))
+        ref = _models.get(id(vllm_config))
+        model = ref() if ref is not None else None
         if model is None and len(_last) == 1:
-            model = _last[0]
+            model = _last[0]()
     return model if model is not None else _runner_on_stack()
 
 
@@ -76,9 +79,13 @@ def _record(runner: Any) -> None:
     model = runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)
     if model is None:
         return
+    try:
+        ref = weakref.ref(model)
+    except TypeError:  # not weak-referenceable: found on the caller's stack instead
+        return
     with _lock:
-        _models[id(runner.vllm_config)] = model
-        _last[:] = [model]
+        _models[id(runner.vllm_config)] = ref
+        _last[:] = [ref]
         # A runner that is not weak-referenceable leaves the cascade decode path off.
         with contextlib.suppress(TypeError):
             _runners[id(runner.vllm_config)] = weakref.ref(runner)

@@ -260,3 +260,13 @@ def test_through_the_openai_server(tmp_path: Path) -> None:
     for report in reports[1:]:
         assert report["fallback"] is None and report["reused_tokens"] == 300, report
         assert report["cascade_steps"] == 5 and report["cascade_shared_rows"] >= 150, report
+
+
+def test_an_engine_s_cascade_path_and_kv_cache_go_with_the_engine() -> None:
+    """The path holds the engine's KV cache; once the engine is gone nothing may keep it (a
+    process-wide reference to the model used to keep every earlier engine's cache alive)."""
+    from kmesh_blend.vllm.cascade_decode import CascadeDecode
+
+    _serve(build_checkpoint(TINY_LLAMA), "float32", "tiny", 300, cascade_decode=True)
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, CascadeDecode)]
