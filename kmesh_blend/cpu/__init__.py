@@ -29,6 +29,8 @@ log = logging.getLogger("kmesh_blend.cpu")
 _SOURCE = Path(__file__).with_name("cascade_decode.cpp")
 _NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+_NAME = "kmesh_cpu_cascade"
+_STALE_LOCK_S = 600  # a build takes ≈ 20 s; an older lock is a killed build's
 _loaded: tuple[Callable[..., Any] | None, str | None] | None = None
 
 
@@ -78,10 +80,11 @@ def _load() -> tuple[Callable[..., Any] | None, str | None]:
         return None, f"this CPU lacks {', '.join(missing)}"
     try:
         import torch
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
+        _drop_stale_lock(Path(_get_build_directory(_NAME, verbose=False)) / "lock")
         load(
-            name="kmesh_cpu_cascade",
+            name=_NAME,
             sources=[str(_SOURCE)],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -93,3 +96,15 @@ def _load() -> tuple[Callable[..., Any] | None, str | None]:
         text = str(exc) + str(getattr(exc.__cause__, "output", "") or "")
         errors = [line.strip() for line in text.splitlines() if "error" in line.lower()]
         return None, f"build failed: {type(exc).__name__}: {(errors or [''])[0][:300]}"
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """torch's builder waits forever on a lock a killed build left behind: remove an old one."""
+    import time
+
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink()
+            log.warning("kmesh: removed a stale build lock %s (a build was killed)", lock)
+    except OSError:  # no lock (the usual case), or another process just took it
+        pass

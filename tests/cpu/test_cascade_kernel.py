@@ -146,3 +146,20 @@ def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setenv("KMESH_CPU_KERNELS", "0")
     assert cpu._load() == (None, "KMESH_CPU_KERNELS=0") and not cpu.cpu_kernel_expected()
+
+
+def test_a_killed_build_s_lock_does_not_hang_the_next_load(tmp_path: Any) -> None:
+    import os
+    import time
+
+    from kmesh_blend import cpu
+
+    fresh, stale = tmp_path / "fresh", tmp_path / "stale"
+    fresh.touch()
+    stale.touch()
+    old = time.time() - 2 * cpu._STALE_LOCK_S
+    os.utime(stale, (old, old))
+    cpu._drop_stale_lock(fresh)
+    cpu._drop_stale_lock(stale)
+    cpu._drop_stale_lock(tmp_path / "absent")
+    assert fresh.exists() and not stale.exists()
