@@ -80,6 +80,16 @@ struct Item {
   float* state;
 };
 
+// Rows i0.. of one 16-key tile at j: scores = scale * acc + the row's bias (masked lanes left).
+template <int R, typename T>
+inline void store_scores(const Item<T>& it, int i0, int j, __mmask16 m, const __m512* acc,
+                         float scale, float* scores, int lds) {
+  for (int i = 0; i < R; ++i) {
+    const __m512 b = _mm512_maskz_loadu_ps(m, it.bias[i0 + i] + it.j0 + j);
+    _mm512_mask_storeu_ps(scores + (i0 + i) * lds + j, m, _mm512_fmadd_ps(acc[i], _mm512_set1_ps(scale), b));
+  }
+}
+
 // scores[i][j] = scale * q_i . k_j + bias_i[j]: bf16 pairs through the dot-product instruction
 // (fp32 sums), fp32 pairs split and multiplied in fp32.
 template <int NC, int R, bool SPLIT>
@@ -97,10 +107,7 @@ void score_bf16(const Item<bf16>& it, int i0, float scale, float* scores, int ld
         if (SPLIT) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(it.ql[i0 + i][d2]), k);
       }
     }
-    for (int i = 0; i < R; ++i) {
-      const __m512 b = _mm512_maskz_loadu_ps(m, it.bias[i0 + i] + it.j0 + j);
-      _mm512_mask_storeu_ps(scores + (i0 + i) * lds + j, m, _mm512_fmadd_ps(acc[i], _mm512_set1_ps(scale), b));
-    }
+    store_scores<R>(it, i0, j, m, acc, scale, scores, lds);
   }
 }
 
@@ -130,10 +137,7 @@ void score_tile(const Item<float>& it, int i0, float scale, float* scores, int l
         acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(it.q[i0 + i][2 * d2 + 1]), kb, acc[i]);
       }
     }
-    for (int i = 0; i < R; ++i) {
-      const __m512 b = _mm512_maskz_loadu_ps(m, it.bias[i0 + i] + it.j0 + j);
-      _mm512_mask_storeu_ps(scores + (i0 + i) * lds + j, m, _mm512_fmadd_ps(acc[i], _mm512_set1_ps(scale), b));
-    }
+    store_scores<R>(it, i0, j, m, acc, scale, scores, lds);
   }
 }
 
