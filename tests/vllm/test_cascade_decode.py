@@ -260,6 +260,7 @@ def test_through_the_openai_server(tmp_path: Path) -> None:
     for report in reports[1:]:
         assert report["fallback"] is None and report["reused_tokens"] == 300, report
         assert report["cascade_steps"] == 5 and report["cascade_shared_rows"] >= 150, report
+        assert report["cascade_kernel"] == KERNEL, report  # the server's engine process too
 
 
 def test_an_engine_s_cascade_path_and_kv_cache_go_with_the_engine() -> None:
