@@ -27,6 +27,7 @@ KNOWN_KEYS: tuple[str, ...] = (
     "kmesh.schedule",
     "kmesh.deviation",
     "kmesh.round_lifetime",
+    "kmesh.max_round_jump",
     "kmesh.retention_bytes",
     "kmesh.singleflight_timeout_s",
     "kmesh.separator",
@@ -107,6 +108,10 @@ class KMeshConfig:
     """What a check layer compares between fresh and stored rows: keys, values, or both."""
     round_lifetime: int = 2
     """Rounds a published segment stays in the index unless pinned by an active family (≥ 1)."""
+    max_round_jump: int = 64
+    """How far past its tenant's current round a request may announce a round (≥ 1). Rounds
+    count per tenant (``cache_salt``); a request beyond the bound runs without reuse, its report
+    naming the field, so one mistaken number cannot retire a tenant's segments."""
     retention_bytes: int = 1 << 30
     """Host-RAM budget (bytes) for restored masters kept for their family/round (≥ 0)."""
     singleflight_timeout_s: float = 10.0
@@ -139,6 +144,7 @@ class KMeshConfig:
         object.__setattr__(self, "deviation", _check_choice("kmesh.deviation", self.deviation))
         _check_int("kmesh.sink_tokens", self.sink_tokens, minimum=0)
         _check_int("kmesh.round_lifetime", self.round_lifetime, minimum=1)
+        _check_int("kmesh.max_round_jump", self.max_round_jump, minimum=1)
         _check_int("kmesh.retention_bytes", self.retention_bytes, minimum=0)
         _check_int("kmesh.store_cpu_bytes", self.store_cpu_bytes, minimum=1)
         timeout = self.singleflight_timeout_s
@@ -203,6 +209,7 @@ class KMeshConfig:
             "kmesh.schedule": self.schedule,
             "kmesh.deviation": self.deviation,
             "kmesh.round_lifetime": self.round_lifetime,
+            "kmesh.max_round_jump": self.max_round_jump,
             "kmesh.retention_bytes": self.retention_bytes,
             "kmesh.singleflight_timeout_s": self.singleflight_timeout_s,
             "kmesh.separator": list(self.separator),

@@ -52,6 +52,7 @@ def test_round_trip() -> None:
         "kmesh.schedule": "sequential",
         "kmesh.deviation": "k",
         "kmesh.round_lifetime": 2,
+        "kmesh.max_round_jump": 64,
         "kmesh.retention_bytes": 1 << 30,
         "kmesh.singleflight_timeout_s": 10.0,
         "kmesh.separator": [],

@@ -24,6 +24,7 @@ from typing import Literal, NamedTuple
 __all__ = [
     "KNOWN_FIELDS",
     "MAX_FAMILY_LEN",
+    "MAX_ROUND",
     "Annotation",
     "AnnotationError",
     "ParsedRequest",
@@ -41,6 +42,7 @@ KNOWN_FIELDS: tuple[str, ...] = (
     "segments", "family", "round", "prepare", "keep", "close", "recompute_ratio", "sink_tokens",
 )  # fmt: skip
 MAX_FAMILY_LEN = 256
+MAX_ROUND = (1 << 63) - 1  # a round is a signed 64-bit int wherever it travels
 _SPANS_VALID = (
     "a non-empty list of [start, end] int pairs, 0 <= start < end <= prompt length, "
     "sorted by start and not overlapping"
@@ -171,8 +173,10 @@ def parse_annotation(kmesh: object, num_tokens: int, max_model_len: int) -> Anno
             field="family",
         )
     round_ = kmesh.get("round")
-    if round_ is not None and (not _is_int(round_) or round_ < 0):
-        raise AnnotationError(f"round={round_!r}; valid: an int >= 0", field="round")
+    if round_ is not None and (not _is_int(round_) or not 0 <= round_ <= MAX_ROUND):
+        raise AnnotationError(
+            f"round={_clip(round_)}; valid: an int in [0, {MAX_ROUND}]", field="round"
+        )
     prepare = kmesh.get("prepare", False)
     if not isinstance(prepare, bool):
         raise AnnotationError(f"prepare={prepare!r}; valid: true or false", field="prepare")
@@ -291,3 +295,9 @@ def _is_int(x: object) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _clip(x: object) -> str:
+    """``repr(x)``, cut to 40 characters (a bad value may be huge)."""
+    text = repr(x)
+    return text if len(text) <= 40 else text[:30] + f"… ({len(text)} chars)"

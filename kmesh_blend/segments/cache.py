@@ -80,10 +80,14 @@ class SegmentCache:
         *,
         round: int | None = None,
         family: str | None = None,
+        scope: str = "",
     ) -> bool:
-        """Store a master and register it (kv ``[L, 2, T, Hkv, D]``, positions ``[T]`` int64).
+        """Store a master and register it (kv ``[L, 2, T, Hkv, D]``, positions ``[T]`` int64),
+        ``round`` counted on ``scope``'s clock (`SegmentIndex`).
 
         The publisher's copy is retained (pinned by ``family``), so its siblings read nothing.
+        A master published in a round its scope has outlived is retired by the next
+        `retire_expired` (the caller holds it for its family first, if it has one).
         """
         from kmesh_blend.segments.master import Master
 
@@ -101,6 +105,7 @@ class SegmentCache:
             family=family,
             nbytes=master.nbytes,
             state=SegmentState.READY if retained else SegmentState.COLD,
+            scope=scope,
         )
         self._sync_gauge()
         return True
@@ -160,9 +165,14 @@ class SegmentCache:
         self.retention.release_owner(family)
         return self._drop(self.index.close_family(family))
 
-    def advance_round(self, to: int | None = None) -> list[SegmentInfo]:
-        """Next round: retire segments older than ``index.keep_rounds`` and delete their masters."""
-        return self._drop(self.index.advance_round(to))
+    def advance_round(self, to: int | None = None, scope: str = "") -> list[SegmentInfo]:
+        """``scope``'s next round: retire its segments older than ``index.keep_rounds`` and
+        delete their masters."""
+        return self._drop(self.index.advance_round(to, scope))
+
+    def retire_expired(self) -> list[SegmentInfo]:
+        """Retire (and delete) every segment past its rounds that nothing holds."""
+        return self._drop(self.index.retire_expired())
 
     def stats(self) -> dict[str, object]:
         """`SegmentMetrics.as_dict` plus singleflight and retention counters."""

@@ -4,9 +4,13 @@ Plain Python, no device, thread-safe (one lock). Entries are keyed by `SegmentId
 segment's state, the first position its KV was computed at, the round it was published in, the
 families that use it, an in-use reference count and pins.
 
-Lifetime. A segment published in round ``r`` lives while ``current_round < r + keep_rounds``
+Lifetime. Rounds are counted per *scope* (a tenant: the engine's connector passes the request's
+``cache_salt``; ``""`` by default), so one tenant's rounds never retire another's segments. A
+segment published in round ``r`` of scope ``s`` lives while ``round_of(s) < r + keep_rounds``
 (multi-agent All-Gather: each agent's output of round ``r`` is read by every agent in round
-``r + 1``; with ``keep_rounds=2`` it is retired when round ``r + 2`` starts). An expired entry is
+``r + 1``; with ``keep_rounds=2`` it is retired when round ``r + 2`` starts). A segment published
+in a round its scope has already outlived is expired at once: `retire_expired` (called after
+publishing) returns it. An expired entry is
 *retired* (removed, returned with state ``EVICTED`` so the caller can free its storage) unless it
 is pinned by an open family or in use (refcount > 0); such an entry is retired as soon as the last
 pin or reference goes. Entries published without a round are not round-scoped: they live until
@@ -60,6 +64,8 @@ class SegmentInfo(NamedTuple):
     refcount: int
     pins: frozenset[str]
     nbytes: int
+    scope: str = ""
+    """Whose round clock ``round`` counts on (see the module docstring)."""
 
 
 @dataclass
@@ -73,6 +79,7 @@ class _Entry:
     families: set[str] = field(default_factory=set)
     pins: set[str] = field(default_factory=set)
     refcount: int = 0
+    scope: str = ""
 
     def info(self, state: SegmentState | None = None) -> SegmentInfo:
         return SegmentInfo(
@@ -85,6 +92,7 @@ class _Entry:
             self.refcount,
             frozenset(self.pins),
             self.nbytes,
+            self.scope,
         )
 
 
@@ -98,7 +106,7 @@ class SegmentIndex:
             raise ValueError(f"max_entries must be >= 1, got {max_entries!r}")
         self.keep_rounds = keep_rounds
         self.max_entries = max_entries
-        self._round = 0
+        self._rounds: dict[str, int] = {}  # scope → its current round (0 when absent)
         self._entries: dict[SegmentId, _Entry] = {}
         self._open_families: set[str] = set()
         self._lock = threading.RLock()
@@ -107,7 +115,12 @@ class SegmentIndex:
 
     @property
     def current_round(self) -> int:
-        return self._round
+        """The default scope's round (`round_of`)."""
+        return self.round_of("")
+
+    def round_of(self, scope: str) -> int:
+        """The current round of ``scope`` (0 until one is announced)."""
+        return self._rounds.get(scope, 0)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -154,9 +167,12 @@ class SegmentIndex:
         family: str | None = None,
         nbytes: int = 0,
         state: SegmentState = SegmentState.COLD,
+        scope: str = "",
     ) -> SegmentInfo:
         """Register a segment (idempotent). Re-publishing adds the family and extends the
-        lifetime to the later round; the first publication's positions and size are kept."""
+        lifetime to the later round; the first publication's positions, size and scope are kept.
+        ``round`` counts on ``scope``'s clock. Nothing is retired here, even a segment past its
+        rounds (its caller may still hold it): call `retire_expired` after."""
         if num_tokens < 1 or nbytes < 0 or position_offset < 0:
             raise ValueError(
                 f"bad entry: num_tokens={num_tokens}, nbytes={nbytes}, offset={position_offset}"
@@ -168,7 +184,9 @@ class SegmentIndex:
         with self._lock:
             entry = self._entries.get(segment_id)
             if entry is None:
-                entry = _Entry(segment_id, num_tokens, position_offset, round, nbytes, state)
+                entry = _Entry(
+                    segment_id, num_tokens, position_offset, round, nbytes, state, scope=scope
+                )
                 self._entries[segment_id] = entry
                 self._forget_oldest()
             elif entry.round is not None:
@@ -249,13 +267,20 @@ class SegmentIndex:
 
     # -- rounds and eviction -------------------------------------------------------------------
 
-    def advance_round(self, to: int | None = None) -> list[SegmentInfo]:
-        """Start the next round (or round ``to``); returns the entries retired by it."""
+    def advance_round(self, to: int | None = None, scope: str = "") -> list[SegmentInfo]:
+        """Start ``scope``'s next round (or round ``to``); returns the entries retired by it."""
         with self._lock:
-            new = self._round + 1 if to is None else to
-            if new < self._round:
-                raise ValueError(f"rounds only move forward: {self._round} → {new}")
-            self._round = new
+            now = self.round_of(scope)
+            new = now + 1 if to is None else to
+            if new < now:
+                raise ValueError(f"rounds only move forward: {now} → {new}")
+            self._rounds[scope] = new
+            return self._retire_expired()
+
+    def retire_expired(self) -> list[SegmentInfo]:
+        """Remove and return every entry past its rounds that nothing holds (for entries
+        published in a round their scope had already outlived)."""
+        with self._lock:
             return self._retire_expired()
 
     def evict(self, segment_id: SegmentId) -> SegmentInfo | None:
@@ -268,7 +293,7 @@ class SegmentIndex:
             return entry.info(SegmentState.EVICTED)
 
     def is_expired(self, info: SegmentInfo) -> bool:
-        return info.round is not None and self._round >= info.round + self.keep_rounds
+        return info.round is not None and self.round_of(info.scope) >= info.round + self.keep_rounds
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -291,10 +316,12 @@ class SegmentIndex:
         return entry.refcount > 0 or bool(entry.pins & self._open_families)
 
     def _retire_expired(self) -> list[SegmentInfo]:
-        limit = self._round - self.keep_rounds
+        keep = self.keep_rounds
         gone = [
             sid
             for sid, e in self._entries.items()
-            if e.round is not None and e.round <= limit and not self._held(e)
+            if e.round is not None
+            and self._rounds.get(e.scope, 0) >= e.round + keep
+            and not self._held(e)
         ]
         return [self._entries.pop(sid).info(SegmentState.EVICTED) for sid in gone]

@@ -53,7 +53,8 @@ class Composition(NamedTuple):
 
     key: tuple[str, ...]
     layers: list[Layer]
-    masters: list[tuple[SharedMaster, torch.Tensor]]  # with −Δ per request [n] int64
+    # one level per master and k-th use of it in a request, with −Δ per request [n] int64
+    masters: list[tuple[SharedMaster, torch.Tensor]]
     rotations: list[torch.Tensor]  # per master [n, D, D] fp32: q · R rotates q by −Δ (kernel)
     filled: list[int]  # generated rows in the buffers, per request (all layers)
     capacity: int  # own columns C − the widest prompt part: room for generated rows
@@ -78,12 +79,16 @@ def compose(
     n, block_size = len(chosen), src.layout.block_size
     kv_heads, dim = kv_heads_dim
     capacity = max(generated) + HEADROOM
-    readers: dict[str, list[tuple[int, MasterUse, torch.Tensor]]] = {}
+    # One master level per (master, k-th use of it in a request): a prompt that reads one
+    # document twice attends to both copies, each at its own offset (one Δ per level).
+    readers: dict[tuple[str, int], list[tuple[int, MasterUse, torch.Tensor]]] = {}
     for r, (_, plan) in enumerate(chosen):
+        seen: dict[str, int] = {}
         for use, rows in zip(plan.uses, plan.shared, strict=True):
-            readers.setdefault(use.key, []).append((r, use, rows))
+            nth = seen[use.key] = seen.get(use.key, -1) + 1
+            readers.setdefault((use.key, nth), []).append((r, use, rows))
     masters = []
-    for master_key, group in readers.items():
+    for (master_key, _), group in readers.items():
         master = src.masters[master_key]
         deltas = torch.zeros(n, dtype=torch.int64)
         for r, use, _ in group:

@@ -286,17 +286,22 @@ class CascadeDecode:
                             use.master, self.caches[0].dtype, tiled=self.kernel is not None
                         )
                     self.masters[use.key].users += 1
-            if len(chosen) < self.limit:  # the rest decode on vLLM's kernel this step
+            if len(chosen) < self.limit:
                 chosen.append((i, plan))
+            else:  # it decodes on vLLM's kernel this step
+                self.reports.setdefault(req_id, {})["cascade_off"] = (
+                    f"more than {self.limit} requests decoding in cascade at once (the CPU "
+                    "kernel's limit for this model's heads): some steps ran on vLLM's kernel"
+                )
         if not chosen:
             return None
         for _, plan in chosen:
             plan.steps += 1
-            self.reports[plan.req_id] = {
-                "cascade_steps": plan.steps,
-                "cascade_shared_rows": plan.shared_rows,
-                "cascade_kernel": "cpu" if self.kernel is not None else "torch",
-            }
+            self.reports.setdefault(plan.req_id, {}).update(
+                cascade_steps=plan.steps,
+                cascade_shared_rows=plan.shared_rows,
+                cascade_kernel="cpu" if self.kernel is not None else "torch",
+            )
         rows = [i for i, _ in chosen]
         generated = [seq_lens[i] - 1 - plan.num_tokens for i, plan in chosen]
         composition = self._compose(meta, chosen, generated)

@@ -129,7 +129,7 @@ class KMeshConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if self.worker is None or not isinstance(meta, KMeshMetadata):
             return
-        if meta.loads or meta.round is not None or meta.closes:
+        if meta.loads or meta.rounds or meta.closes:
             self.worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

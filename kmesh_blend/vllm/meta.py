@@ -54,6 +54,7 @@ class Report(TypedDict, total=False):
     cascade_shared_rows: int
     cascade_kernel: str
     cascade_off: str | None
+    preemptions: int
 
 
 def new_report() -> Report:
@@ -96,13 +97,16 @@ class SaveRequest:
     segments: list[SegmentRef]
     family: str | None = None  # held for this family until it closes
     round: int | None = None  # published in this round (retired `round_lifetime` rounds later)
+    scope: str = ""  # whose round clock ``round`` counts on (the tenant)
 
 
 @dataclass
 class KMeshMetadata(KVConnectorMetadata):
     loads: list[LoadRequest] = field(default_factory=list)
     saves: list[SaveRequest] = field(default_factory=list)
-    round: int | None = None  # the latest round a request announced: the index moves to it
+    # Rounds announced per tenant scope (scope → latest round) that the worker has not
+    # confirmed yet: its round-aware index moves each scope's clock to them.
+    rounds: dict[str, int] = field(default_factory=dict)
     # Families closed by finished requests, numbered: sent every step until the worker says it
     # applied them (a step without a forward may never reach the worker).
     closes: list[tuple[int, str]] = field(default_factory=list)
@@ -121,6 +125,7 @@ class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
     store_errors: dict[str, str] = field(default_factory=dict)  # segment id → why not stored
     retired: dict[str, int] = field(default_factory=dict)  # deleted by their lifetime → round
     closed_upto: int = 0  # the highest family-close number applied
+    rounds: dict[str, int] = field(default_factory=dict)  # scope → round now applied
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KMeshWorkerMetadata):
@@ -134,4 +139,6 @@ class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
             self.store_errors.update(other.store_errors)
             self.retired.update(other.retired)
             self.closed_upto = max(self.closed_upto, other.closed_upto)
+            for scope, round_ in other.rounds.items():
+                self.rounds[scope] = max(round_, self.rounds.get(scope, round_))
         return self

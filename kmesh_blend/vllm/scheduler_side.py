@@ -36,7 +36,7 @@ __all__ = ["SchedulerSide"]
 _HEAD = 16  # turn records are found by their prompt's first tokens (shorter prompts: not kept)
 _REASON_CHARS = 200  # a fallback reason echoes at most this much of the bad input
 # Registry bounds (kmesh_blend/vllm/registry.py): ids are 64 hex chars, so ≈10 MiB at most.
-_MAX_PUBLISHED, _MAX_TURNS = 1 << 16, 1 << 12
+_MAX_PUBLISHED, _MAX_TURNS, _MAX_SCOPES = 1 << 16, 1 << 12, 1 << 16
 
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
@@ -57,9 +57,11 @@ class _Plan:
     blocks: list[int] = field(default_factory=list)
     family: str | None = None  # the annotation's lifetime fields (docs/contract.md)
     round: int | None = None
+    scope: str = ""  # whose round clock `round` counts on (`_scope`)
     close: bool = False
     options: tuple[float | None, int | None] = (None, None)  # the request's ratio, sink tokens
     report: Report = field(default_factory=new_report)
+    before: Report | None = None  # its report when it was preempted (`_resumed`)
 
 
 class SchedulerSide:
@@ -101,9 +103,12 @@ class SchedulerSide:
         self._recent: dict[str, Report] = {}
         self._counted: set[str] = set()  # of `_recent`, already in the metrics
         self._gauges: dict[str, int] = {}
-        # Rounds and families (the worker's round-aware index acts on them): the latest round
-        # announced, whether the worker has been told, and families closed by finished requests.
-        self._round: int | None = None
+        # Rounds and families (the worker's round-aware index acts on them). Rounds count per
+        # tenant scope (`_scope`): the latest round each announced, and the announcements the
+        # worker has not confirmed yet (sent every step until it has: a step without a forward
+        # may never reach it); families closed by finished requests, likewise.
+        self._rounds: LruDict[str, int] = LruDict(_MAX_SCOPES)
+        self._round_news: dict[str, int] = {}
         self._closing: list[tuple[int, str]] = []  # (number, family) until the worker applied it
         self._close_seq = 0
         # Segments the worker retired by their lifetime → the round they were published in.
@@ -125,6 +130,7 @@ class SchedulerSide:
         return matched
 
     def _num_matched(self, request: Any, num_computed_tokens: int) -> int:
+        old = self.plans.get(request.request_id)
         params = request.kv_transfer_params
         if params is None and not self.config.separator:
             return 0  # unannotated traffic: nothing to parse
@@ -157,15 +163,28 @@ class SchedulerSide:
         salt = getattr(request, "cache_salt", None)
         if salt:  # tenants with different salts never share KV
             namespace = dataclasses.replace(namespace, cache_salt=str(salt))
+        scope = _scope(salt)
+        annotation = parsed.annotation
+        jump = self._round_jump(scope, annotation.round)
+        if jump is not None:
+            plan = _Plan(tokens, [])
+            plan.report["fallback"] = jump
+            self.plans[request.request_id] = plan
+            log.warning("kmesh: request %s runs without reuse: %s", request.request_id, jump)
+            return 0
         ids = segment_ids(namespace, tokens, spans)
         refs = [SegmentRef(s, e, i) for (s, e), i in zip(spans, ids, strict=True)]
-        annotation = parsed.annotation
-        plan = _Plan(tokens, refs, first=num_computed_tokens, family=annotation.family,
-                     round=annotation.round, close=annotation.close,
+        # A family name is the tenant's own: another tenant's family of the same name is another.
+        family = None if annotation.family is None else scope + annotation.family
+        plan = _Plan(tokens, refs, first=num_computed_tokens, family=family,
+                     round=annotation.round, scope=scope, close=annotation.close,
                      options=(annotation.recompute_ratio, annotation.sink_tokens))  # fmt: skip
-        if annotation.round is not None and (self._round is None or annotation.round > self._round):
-            self._round = annotation.round
-        if self.privatizer is not None:
+        if annotation.round is not None and annotation.round > (self._rounds.get(scope) or 0):
+            self._rounds[scope] = self._round_news[scope] = annotation.round
+        if old is not None and old.blocks:  # rescheduled after a preemption: the report keeps
+            plan.before, plan.report = old.report, _resumed(old.report)  # what it reused before
+        if self.privatizer is not None and plan.before is None:
+            # (after a preemption the cache holds the request's own blocks: not a prefix hit)
             plan.report["prefix_cached_tokens"] = num_computed_tokens
         self.plans[request.request_id] = plan
         skip = bool(getattr(request, "skip_reading_prefix_cache", False))
@@ -173,6 +192,20 @@ class SchedulerSide:
         if matched and self.privatizer is not None:
             self.privatizer.privatize(request, num_computed_tokens)
         return matched
+
+    def _round_jump(self, scope: str, round_: int | None) -> str | None:
+        """Why ``round_`` is refused for a request of ``scope`` (too far ahead of the scope's
+        current round), or None."""
+        if round_ is None:
+            return None
+        now = self._rounds.get(scope) or 0
+        bound = self.config.max_round_jump
+        if round_ <= now + bound:
+            return None
+        return (
+            f"round={round_}; valid: at most {now + bound} (this tenant's round {now} + "
+            f"kmesh.max_round_jump {bound})"
+        )
 
     def _plan_reuse(
         self, annotation: Any, namespace: Namespace, plan: _Plan, num_computed: int,
@@ -237,7 +270,7 @@ class SchedulerSide:
         for record in self._finished_keeps:  # its turn was stored by now, or never will be
             self._keeping.pop(record, None)
         self._finished_keeps.clear()
-        meta = KMeshMetadata(round=self._round, closes=list(self._closing))
+        meta = KMeshMetadata(rounds=dict(self._round_news), closes=list(self._closing))
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             plan = self.plans.get(new.req_id)
@@ -295,6 +328,9 @@ class SchedulerSide:
             self.unstored.pop(segment_id)
             self.retired.pop(segment_id)
         self._closing = [(n, f) for n, f in self._closing if n > worker_meta.closed_upto]
+        for scope, applied in worker_meta.rounds.items():
+            if self._round_news.get(scope, applied + 1) <= applied:
+                del self._round_news[scope]
         self.published.difference_update(worker_meta.retired)  # deleted from the store
         for segment_id, round_ in worker_meta.retired.items():
             self.retired[segment_id] = round_
@@ -312,6 +348,13 @@ class SchedulerSide:
                 reason = report.get("fallback")
                 if reason:
                     report = {**report, "fallback": _short(reason)}
+                if plan is not None and plan.before is not None:
+                    report = _plus(plan.before, report)
+                off, seen = report.get("cascade_off"), target.get("cascade_off")
+                if off and seen:  # every reason, once
+                    known = seen.split("; ")
+                    joined = seen if off in known else _short(f"{seen}; {off}")
+                    report = {**report, "cascade_off": joined}
                 target.update(report)
             if plan is not None and report.get("fallback") and plan.turn is None:
                 # The load failed and vLLM recomputes the prompt: once it has, store every
@@ -428,8 +471,36 @@ class SchedulerSide:
         if unique:
             self._saving.update(unique)
             save = SaveRequest(req_id, list(plan.blocks), list(unique.values()))
-            save.family, save.round = plan.family, plan.round
+            save.family, save.round, save.scope = plan.family, plan.round, plan.scope
             meta.saves.append(save)
+
+
+def _scope(cache_salt: object) -> str:
+    """The round and family scope of a request: its tenant, by ``cache_salt`` ("" without)."""
+    return f"{cache_salt}\x00" if cache_salt else ""
+
+
+# Report fields that count work: a request preempted and prefilled again adds both prefills'.
+_ADDITIVE = ("reused_tokens", "recomputed_tokens", "storage_reads", "load_ms", "cascade_steps",
+             "restored_tokens", "kept_bytes")  # fmt: skip
+
+
+def _resumed(before: Report) -> Report:
+    """The report a request starts with when it is scheduled again after a preemption: what it
+    reused before, one more preemption, no fallback yet."""
+    out: Report = {**before, "fallback": None}
+    out["preemptions"] = before.get("preemptions", 0) + 1
+    return out
+
+
+def _plus(before: Report, fields: Report) -> Report:
+    """The worker's ``fields`` for a resumed request's new prefill, on top of ``before``."""
+    out = dict(fields)
+    for key in _ADDITIVE:
+        if key in fields:
+            total = before.get(key, 0) + fields[key]  # type: ignore[literal-required]
+            out[key] = round(total, 3) if isinstance(total, float) else total
+    return out  # type: ignore[return-value]
 
 
 def _short(reason: str) -> str:

@@ -212,8 +212,8 @@ class WorkerSide:
                 rows = [self.paged.read(cache, slots) for cache in self.kv_caches]
                 kv = torch.stack([torch.stack(kv_pair) for kv_pair in rows])  # [L, 2, S, Hkv, D]
                 positions = torch.arange(ref.start, ref.end, dtype=torch.int64)
-                if self.cache.publish(ref.segment_id, kv.cpu(), positions,
-                                      round=save.round, family=save.family):  # fmt: skip
+                if self.cache.publish(ref.segment_id, kv.cpu(), positions, round=save.round,
+                                      family=save.family, scope=save.scope):  # fmt: skip
                     self.out.published.append(ref.segment_id)
                     self._retired.pop(ref.segment_id)
                     if save.family is not None:
@@ -223,6 +223,9 @@ class WorkerSide:
                     self.out.unpublished.append(ref.segment_id)
                     why = getattr(self.store, "last_error", "") or "the store refused it"
                     self.out.store_errors[ref.segment_id] = f"{self.store.tier} store: {why}"
+        if any(save.round is not None for save in meta.saves):
+            # A round announced late may be one its tenant has outlived: its segments go now.
+            self._report_retired(self.cache.retire_expired())
 
     def _blend(
         self, ready: list[tuple[LoadRequest, BlendRequest]], source: MasterSource, hooks: list[Any]
@@ -251,17 +254,24 @@ class WorkerSide:
         that retires is deleted from the store and reported (the scheduler forgets it)."""
         retired = []
         index = self.cache.index
-        if meta.round is not None and meta.round > index.current_round:
-            retired += self.cache.advance_round(meta.round)
+        for scope, round_ in meta.rounds.items():
+            if round_ > index.round_of(scope):
+                retired += self.cache.advance_round(round_, scope)
+            self.out.rounds[scope] = index.round_of(scope)
         for number, family in meta.closes:
             if number > self._closed_upto:
                 retired += self.cache.close_family(family)
                 self._closed_upto = self.out.closed_upto = number
+        self._report_retired(retired)
+
+    def _report_retired(self, retired: list[Any]) -> None:
+        """Segments the index retired (their masters are deleted): remembered for the reason
+        their next readers get, and told to the scheduler."""
         for info in retired:
             self._retired[info.segment_id] = info.round
             self.out.retired[info.segment_id] = -1 if info.round is None else info.round
         if retired:
-            log.info("kmesh: %d segments retired (round %d)", len(retired), index.current_round)
+            log.info("kmesh: %d segments retired by their rounds or families", len(retired))
 
     def _decode_plan(self, load: LoadRequest, masters: dict[str, Any], report: Any) -> None:
         """Hand a blended request to the cascade decode path (armed at its first decode step)."""

@@ -97,10 +97,13 @@ def _empty_step() -> Any:
 
 def test_rounds_and_closes_reach_the_worker_until_it_applied_them() -> None:
     side = _side()
-    assert side.build_meta(_empty_step()).round is None  # no round announced yet
+    assert side.build_meta(_empty_step()).rounds == {}  # no round announced yet
     side.num_matched(_request("a", [[4, 40]], round=3, family="f", close=True), 0)
     side.num_matched(_request("b", [[4, 40]], round=1), 0)  # rounds only move forward
-    assert side.build_meta(_empty_step()).round == 3
+    assert side.build_meta(_empty_step()).rounds == {"": 3}
+    assert side.build_meta(_empty_step()).rounds == {"": 3}  # sent again: no answer yet
+    side.on_worker_output(KMeshWorkerMetadata(rounds={"": 3}))
+    assert side.build_meta(_empty_step()).rounds == {}
     side.finished(SimpleNamespace(request_id="a"))
     assert side.build_meta(_empty_step()).closes == [(1, "f")]
     assert side.build_meta(_empty_step()).closes == [(1, "f")]  # sent again: no answer yet
@@ -121,3 +124,69 @@ def test_a_retired_segment_is_reported_and_stored_again() -> None:
     assert [r.segment_id for r in side.plans["f"].saves] == [segment]  # stores it again
     side.on_worker_output(KMeshWorkerMetadata(published=[segment]))
     assert segment in side.published and segment not in side.retired
+
+
+def test_rounds_and_families_are_per_tenant() -> None:
+    side = _side()
+    side.num_matched(_request("a", [[4, 40]], round=5, family="f"), 0)
+    salted = _request("b", [[4, 40]], round=60, family="f")
+    salted.cache_salt = "tenant-b"
+    side.num_matched(salted, 0)
+    rounds = side.build_meta(_empty_step()).rounds
+    assert rounds == {"": 5, "tenant-b\x00": 60}  # each tenant's own clock
+    assert side.plans["a"].family != side.plans["b"].family  # one name, two families
+
+
+def test_a_round_too_far_ahead_is_refused_naming_the_field() -> None:
+    side = _side()  # kmesh.max_round_jump: 64
+    side.num_matched(_request("a", [[4, 40]], round=64), 0)
+    side.num_matched(_request("b", [[4, 40]], round=2**62), 0)
+    report = side.plans["b"].report
+    assert report["fallback"] is not None and report["fallback"].startswith("round=")
+    assert "kmesh.max_round_jump" in report["fallback"]
+    assert side.build_meta(_empty_step()).rounds == {"": 64}  # the refused one moved nothing
+    side.num_matched(_request("c", [[4, 40]], round=128), 0)  # 64 past the new round: fine
+    assert side.plans["c"].report["fallback"] is None
+
+
+def test_a_preempted_request_keeps_what_it_reused() -> None:
+    side = _side()
+    req = _request("r", [[4, 40]])
+    side.num_matched(req, 0)
+    side.published.add(side.plans["r"].segments[0].segment_id)
+    assert side.num_matched(req, 0) == 0  # planned before the segment was stored: same answer
+    side.plans.pop("r")
+    assert side.num_matched(req, 0) == 62
+    side.after_alloc(req, None, 62)
+    side.plans["r"].blocks = [0, 1]  # scheduled, blended:
+    side.on_worker_output(
+        KMeshWorkerMetadata(
+            reports={
+                "r": {
+                    "reused_tokens": 30,
+                    "recomputed_tokens": 6,
+                    "storage_reads": 1,
+                    "cascade_steps": 3,
+                }
+            }
+        )
+    )
+    # preempted; asked again: this time its own blocks are in the prefix cache
+    assert side.num_matched(req, 32) == 30
+    side.on_worker_output(KMeshWorkerMetadata(reports={"r": {
+        "reused_tokens": 10, "recomputed_tokens": 4, "storage_reads": 0, "cascade_steps": 2,
+        "cascade_off": "its blocks changed (preempted and rescheduled)"}}))  # fmt: skip
+    report = side.finished(req)["kmesh"]  # type: ignore[index]
+    assert report["preemptions"] == 1 and report["fallback"] is None
+    assert (report["reused_tokens"], report["recomputed_tokens"]) == (40, 10)
+    assert (report["storage_reads"], report["cascade_steps"]) == (1, 5)
+    assert report["cascade_off"] == "its blocks changed (preempted and rescheduled)"
+
+
+def test_cascade_off_names_every_reason_once() -> None:
+    side = _side()
+    req = _request("r", [[4, 40]])
+    side.num_matched(req, 0)
+    for why in ("a", "b", "a"):
+        side.on_worker_output(KMeshWorkerMetadata(reports={"r": {"cascade_off": why}}))
+    assert side.plans["r"].report["cascade_off"] == "a; b"
