@@ -45,6 +45,7 @@ ReqIds = Callable[[int], "list[str] | None"]
 Kernel = Callable[..., Any]  # torch.ops.kmesh_cpu.cascade_decode (see kmesh_blend/cpu)
 
 _paused = False
+_PREEMPTED = "preempted: {}; later steps on vLLM's kernel"
 
 
 def pause(paused: bool) -> None:
@@ -268,12 +269,12 @@ class CascadeDecode:
             if plan is None:
                 continue
             if not plan.holds(meta.block_table[i]):
-                self.drop(req_id, "its blocks changed (preempted and rescheduled)")
+                self.drop(req_id, _PREEMPTED.format("its blocks changed"))
                 continue
             decoding = starts[i + 1] - starts[i] == 1 and seq_lens[i] > plan.num_tokens
             if not decoding:
                 if plan.armed:  # prefilled again after a preemption: its rows are new
-                    self.drop(req_id, "its prompt was computed again")
+                    self.drop(req_id, _PREEMPTED.format("its prompt was computed again"))
                 continue
             if not plan.armed:
                 reason = plan.arm(self.layout, self.caches, self.rope)

@@ -102,6 +102,7 @@ class SchedulerSide:
         # `update_from_output`; the outcome is merged into the same dict before vLLM emits it.
         self._recent: dict[str, Report] = {}
         self._counted: set[str] = set()  # of `_recent`, already in the metrics
+        self._recent_before: dict[str, Report] = {}  # of `_recent`, the resumed ones' `before`
         self._gauges: dict[str, int] = {}
         # Rounds and families (the worker's round-aware index acts on them). Rounds count per
         # tenant scope (`_scope`): the latest round each announced, and the announcements the
@@ -181,8 +182,11 @@ class SchedulerSide:
                      options=(annotation.recompute_ratio, annotation.sink_tokens))  # fmt: skip
         if annotation.round is not None and annotation.round > (self._rounds.get(scope) or 0):
             self._rounds[scope] = self._round_news[scope] = annotation.round
-        if old is not None and old.blocks:  # rescheduled after a preemption: the report keeps
-            plan.before, plan.report = old.report, _resumed(old.report)  # what it reused before
+        # Rescheduled after a preemption (perhaps asked again while it waited for memory): the
+        # report keeps what it reused before.
+        before = None if old is None else old.report if old.blocks else old.before
+        if before is not None:
+            plan.before, plan.report = before, _resumed(before)
         if self.privatizer is not None and plan.before is None:
             # (after a preemption the cache holds the request's own blocks: not a prefix hit)
             plan.report["prefix_cached_tokens"] = num_computed_tokens
@@ -203,8 +207,8 @@ class SchedulerSide:
         if round_ <= now + bound:
             return None
         return (
-            f"round={round_}; valid: at most {now + bound} (this tenant's round {now} + "
-            f"kmesh.max_round_jump {bound})"
+            f"round refused: round={round_}; valid: at most {now + bound} (this tenant's "
+            f"round {now} + kmesh.max_round_jump {bound})"
         )
 
     def _plan_reuse(
@@ -266,6 +270,7 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output: Any) -> KMeshMetadata:
         self._recent.clear()
+        self._recent_before.clear()
         self._counted.clear()
         for record in self._finished_keeps:  # its turn was stored by now, or never will be
             self._keeping.pop(record, None)
@@ -277,39 +282,49 @@ class SchedulerSide:
             if plan is None:
                 continue
             plan.blocks = list(new.block_ids[0])
-            if plan.pending_load:
-                plan.pending_load = False
-                turn, turn_len = plan.turn or (None, 0)
-                meta.loads.append(
-                    LoadRequest(
-                        new.req_id,
-                        plan.token_ids,
-                        plan.blocks,
-                        plan.loads,
-                        plan.first,
-                        turn=turn,
-                        turn_len=turn_len,
-                        keep=plan.keep,
-                        family=plan.family,
-                        recompute_ratio=plan.options[0],
-                        sink_tokens=plan.options[1],
-                    )
-                )
+            self._load(meta, new.req_id, plan)
             self._maybe_save(
                 meta, new.req_id, plan, new.num_computed_tokens + scheduled.get(new.req_id, 0)
             )
         cached = scheduler_output.scheduled_cached_reqs
+        # A request resumed after a preemption comes back here, with all its blocks anew.
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
         for i, req_id in enumerate(cached.req_ids):
             plan = self.plans.get(req_id)
             if plan is None:
                 continue
             new_blocks = cached.new_block_ids[i]
-            if new_blocks is not None:
+            if req_id in resumed:
+                plan.blocks = list(new_blocks[0]) if new_blocks is not None else []
+                self._load(meta, req_id, plan)
+            elif new_blocks is not None:
                 plan.blocks.extend(new_blocks[0])
             self._maybe_save(
                 meta, req_id, plan, cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             )
         return meta
+
+    def _load(self, meta: KMeshMetadata, req_id: str, plan: _Plan) -> None:
+        """The worker provides the tokens this plan matched, in this step (before the forward)."""
+        if not plan.pending_load:
+            return
+        plan.pending_load = False
+        turn, turn_len = plan.turn or (None, 0)
+        meta.loads.append(
+            LoadRequest(
+                req_id,
+                plan.token_ids,
+                plan.blocks,
+                plan.loads,
+                plan.first,
+                turn=turn,
+                turn_len=turn_len,
+                keep=plan.keep,
+                family=plan.family,
+                recompute_ratio=plan.options[0],
+                sink_tokens=plan.options[1],
+            )
+        )
 
     def on_worker_output(self, worker_meta: Any) -> None:
         if not isinstance(worker_meta, KMeshWorkerMetadata):
@@ -344,12 +359,13 @@ class SchedulerSide:
         for req_id, report in worker_meta.reports.items():
             plan = self.plans.get(req_id)
             target = plan.report if plan is not None else self._recent.get(req_id)
+            before = plan.before if plan is not None else self._recent_before.get(req_id)
             if target is not None:
                 reason = report.get("fallback")
                 if reason:
                     report = {**report, "fallback": _short(reason)}
-                if plan is not None and plan.before is not None:
-                    report = _plus(plan.before, report)
+                if before is not None:
+                    report = _plus(before, report)
                 off, seen = report.get("cascade_off"), target.get("cascade_off")
                 if off and seen:  # every reason, once
                     known = seen.split("; ")
@@ -377,6 +393,8 @@ class SchedulerSide:
         if self.disabled is not None and plan.report["fallback"] is None:
             plan.report["fallback"] = self.disabled  # it ran before the worker's word arrived
         self._recent[request.request_id] = plan.report
+        if plan.before is not None:
+            self._recent_before[request.request_id] = plan.before
         return {"kmesh": plan.report}
 
     def take_stats(self) -> dict[str, Any] | None:

@@ -142,7 +142,7 @@ def test_a_round_too_far_ahead_is_refused_naming_the_field() -> None:
     side.num_matched(_request("a", [[4, 40]], round=64), 0)
     side.num_matched(_request("b", [[4, 40]], round=2**62), 0)
     report = side.plans["b"].report
-    assert report["fallback"] is not None and report["fallback"].startswith("round=")
+    assert report["fallback"] is not None and report["fallback"].startswith("round refused: round=")
     assert "kmesh.max_round_jump" in report["fallback"]
     assert side.build_meta(_empty_step()).rounds == {"": 64}  # the refused one moved nothing
     side.num_matched(_request("c", [[4, 40]], round=128), 0)  # 64 past the new round: fine
@@ -190,3 +190,27 @@ def test_cascade_off_names_every_reason_once() -> None:
     for why in ("a", "b", "a"):
         side.on_worker_output(KMeshWorkerMetadata(reports={"r": {"cascade_off": why}}))
     assert side.plans["r"].report["cascade_off"] == "a; b"
+
+
+def test_a_resumed_request_is_loaded_into_its_new_blocks() -> None:
+    """vLLM brings a preempted request back among the cached requests (``resumed_req_ids``),
+    with all its blocks anew: the tokens matched for it must be loaded there."""
+    side = _side()
+    req = _request("r", [[4, 40]])
+    side.num_matched(req, 0)
+    side.published.add(side.plans["r"].segments[0].segment_id)
+    side.plans.pop("r")
+    new = SimpleNamespace(req_id="r", block_ids=([0, 1],), num_computed_tokens=0)
+    step = _empty_step()
+    step.scheduled_new_reqs = [new]
+    assert side.num_matched(req, 0) == 62
+    side.after_alloc(req, None, 62)
+    assert [load.block_ids for load in side.build_meta(step).loads] == [[0, 1]]
+    assert side.num_matched(req, 0) == 62  # preempted, asked again
+    side.after_alloc(req, None, 62)
+    cached = SimpleNamespace(req_ids=["r"], new_block_ids=[([5, 6],)], num_computed_tokens=[0],
+                             resumed_req_ids={"r"})  # fmt: skip
+    step = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
+                           scheduled_cached_reqs=cached)  # fmt: skip
+    loads = side.build_meta(step).loads
+    assert [(load.req_id, load.block_ids) for load in loads] == [("r", [5, 6])]
