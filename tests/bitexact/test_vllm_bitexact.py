@@ -57,10 +57,10 @@ def store_specs(
 
 
 def _run(specs: dict[str, str], model: str, dtype: str, store: str, schedule: str,
-         fail: str | None = None) -> dict[str, Outcome]:  # fmt: skip
-    key = (model, dtype, store, schedule, fail or "")
+         fail: str | None = None, cascade: bool = False) -> dict[str, Outcome]:  # fmt: skip
+    key = (model, dtype, store, schedule, fail or "", str(cascade))
     if key not in _runs:
-        _runs[key] = run_engine(model, dtype, specs[store], schedule, fail)
+        _runs[key] = run_engine(model, dtype, specs[store], schedule, fail, cascade)
     return _runs[key]
 
 
@@ -110,6 +110,35 @@ def test_one_failed_load_recomputes_and_siblings_keep_their_bits(
         assert got[key].kv is not None and ref[key].kv is not None
         assert torch.equal(got[key].kv, ref[key].kv)
     SUMMARY.append((f"{model} {dtype} one failed load", "cpu, layer_sync", 4, "as required"))
+
+
+CASCADE_LOGPROB_BOUND = 1e-4  # fp32: cascade decode sums the same attention in another order
+
+
+@pytest.mark.parametrize(("model", "dtype"), [md for md in MODEL_DTYPES if md[1] == "fp32"])
+def test_cascade_decode_keeps_every_layout(store_specs: dict[str, str], model: str,
+                                           dtype: str) -> None:  # fmt: skip
+    """Cascade decode on, every layout (one document read twice, adjacent or apart, included):
+    the same tokens as the reference (cascade off), log-probabilities within
+    `CASCADE_LOGPROB_BOUND`, the same prompt KV bit for bit, every decode step in cascade."""
+    ref = _run(store_specs, model, dtype, "cpu", "layer_sync")
+    got = _run(store_specs, model, dtype, "cpu", "layer_sync", cascade=True)
+    bad = {}
+    for key, want in ref.items():
+        out = got[key]
+        assert out.report.get("cascade_steps") == len(out.tokens) - 1, (key, out.report)
+        assert out.report.get("cascade_off") is None, (key, out.report)
+        worst = max(abs(a - b) for a, b in zip(out.logprobs, want.logprobs, strict=True))
+        if out.tokens != want.tokens or worst > CASCADE_LOGPROB_BOUND:
+            bad[key] = f"tokens {out.tokens} vs {want.tokens}, log-probabilities {worst:.2e} apart"
+        elif out.kv is None or want.kv is None or not torch.equal(out.kv, want.kv):
+            bad[key] = "prompt KV differs"
+    first = next(iter(bad.items()), None)
+    result = (
+        f"FAIL {first}" if first else f"tokens equal, log-probabilities ≤ {CASCADE_LOGPROB_BOUND}"
+    )
+    SUMMARY.append((f"{model} {dtype} cascade decode on", "cpu, layer_sync", len(ref), result))
+    assert not bad, f"{len(bad)} follow-ups differ; first: {first}"
 
 
 def test_negative_control_one_bit_is_detected(store_specs: dict[str, str]) -> None:

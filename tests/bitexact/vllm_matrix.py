@@ -34,7 +34,9 @@ MODELS: dict[str, tuple[Any, int]] = {
     "smollm2": (smollm2_checkpoint, 49152),
 }
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-LAYOUTS = ("leading", "middle", "reordered", "repeated", "several")
+LAYOUTS = (
+    "leading", "middle", "reordered", "repeated", "repeated_adjacent", "repeated_apart", "several"
+)  # fmt: skip
 GROUPS = (1, 4, 8)
 MAX_TOKENS = 4
 FULL = os.environ.get("KMESH_BITEXACT") == "full"  # `make bitexact`: the whole matrix
@@ -71,13 +73,16 @@ def follow_ups(vocab: int) -> list[tuple[str, list[int], list[list[int]]]]:
                     "middle": ["A"],
                     "reordered": ["A", "B"] if i % 2 == 0 else ["B", "A"],
                     "repeated": ["A", "A"],
+                    "repeated_adjacent": ["A", "A"],
+                    "repeated_apart": ["A", "A"],
                     "several": ["C", "A", "B"],
                 }[layout]
                 ids = [] if layout == "leading" else toks(5 + 3 * i)
                 spans = []
                 for j, name in enumerate(names):
-                    if j:
-                        ids += toks(3 + i % 3)
+                    if j:  # the gap between two segments
+                        gap = {"repeated_adjacent": 0, "repeated_apart": 40 + i}.get(layout)
+                        ids += toks(3 + i % 3 if gap is None else gap)
                     spans.append([len(ids), len(ids) + len(seg[name])])
                     ids += seg[name]
                 out.append((f"{layout}/{group}/{i}", ids + toks(4 + i % 4), spans))
@@ -85,9 +90,15 @@ def follow_ups(vocab: int) -> list[tuple[str, list[int], list[list[int]]]]:
 
 
 def run_engine(
-    model: str, dtype: str, store: str, schedule: str, fail: str | None = None
+    model: str,
+    dtype: str,
+    store: str,
+    schedule: str,
+    fail: str | None = None,
+    cascade: bool = False,
 ) -> dict[str, Outcome]:
-    """Run every family on a fresh engine; ``fail``: the key of a follow-up whose load fails.
+    """Run every family on a fresh engine; ``fail``: the key of a follow-up whose load fails;
+    ``cascade``: with ``kmesh.cascade_decode`` on.
 
     Returns key → `Outcome` for every follow-up, and ``key + "/plain"`` for the failed one run
     again unannotated (vLLM's own full prefill) when ``fail`` is set.
@@ -95,7 +106,8 @@ def run_engine(
     from vllm import SamplingParams
 
     checkpoint, vocab = MODELS[model]
-    extra = {"kmesh.store": store, "kmesh.schedule": schedule, "kmesh.recompute_ratio": 0.15}
+    extra = {"kmesh.store": store, "kmesh.schedule": schedule, "kmesh.recompute_ratio": 0.15,
+             "kmesh.cascade_decode": cascade}  # fmt: skip
     llm = make_llm(
         checkpoint(),
         dtype=DTYPES[dtype],
