@@ -300,7 +300,8 @@ class WorkerSide:
             for req_id, fields in self.cascade.take_reports().items():
                 out.reports.setdefault(req_id, {}).update(fields)  # type: ignore[typeddict-item]
         return out if (out.reports or out.published or out.disabled or out.lost
-                       or out.unpublished or out.retired or out.closed_upto) else None  # fmt: skip
+                       or out.unpublished or out.retired or out.closed_upto
+                       or out.rounds) else None  # fmt: skip
 
     def take_stats(self) -> dict[str, Any] | None:
         """Metrics payload (`kmesh_blend.vllm.stats`): segment-layer counters since the last

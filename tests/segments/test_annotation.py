@@ -48,6 +48,8 @@ def test_unannotated_request_is_not_a_fallback() -> None:
         ({"segments": [[0, 3]], "segmnets": 1}, "unknown key(s) 'segmnets'"),
         ({"segments": [[0, 3]], "family": ""}, "family="),
         ({"segments": [[0, 3]], "round": -1}, "round="),
+        ({"segments": [[0, 3]], "round": 2**63}, "round=9223372036854775808; valid: an int in"),
+        ({"segments": [[0, 3]], "round": 10**400}, "chars); valid"),
         ({"segments": [[0, 3]], "prepare": "yes"}, "prepare="),
         ({"segments": [[0, 3]], "prepare": True}, "needs a 'family'"),
         ({"segments": [[0, 3]], "close": 1}, "close="),

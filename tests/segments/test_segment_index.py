@@ -73,6 +73,30 @@ def test_republish_extends_lifetime_and_adds_family() -> None:
     assert index.evict(sid(1)) is not None and sid(1) not in index
 
 
+def test_rounds_count_per_scope() -> None:
+    index = SegmentIndex(keep_rounds=2)
+    index.publish(sid(1), 4, round=3, scope="x")
+    index.publish(sid(2), 4, round=3)
+    assert index.advance_round(to=60, scope="y") == []  # another tenant's clock
+    assert index.round_of("y") == 60 and index.round_of("x") == 0 == index.current_round
+    gone = index.advance_round(to=5, scope="x")
+    assert [i.segment_id for i in gone] == [sid(1)] and gone[0].scope == "x"
+    assert sid(2) in index
+
+
+def test_a_round_published_late_is_expired_at_once_unless_held() -> None:
+    index = SegmentIndex(keep_rounds=2)
+    index.advance_round(to=10)
+    index.publish(sid(1), 4, round=0)
+    index.publish(sid(2), 4, round=0, family="f")
+    index.pin(sid(2), "f")
+    index.publish(sid(3), 4, round=9)
+    assert sid(1) in index  # publishing retires nothing by itself
+    assert [i.segment_id for i in index.retire_expired()] == [sid(1)]
+    assert sid(2) in index and sid(3) in index
+    assert [i.segment_id for i in index.close_family("f")] == [sid(2)]
+
+
 def test_unrounded_segments_live_until_evicted() -> None:
     index = SegmentIndex(keep_rounds=1)
     index.publish(sid(1), 4)
