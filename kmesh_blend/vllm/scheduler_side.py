@@ -9,6 +9,7 @@ token itself over that KV.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,7 +177,7 @@ class SchedulerSide:
         ids = segment_ids(namespace, tokens, spans)
         refs = [SegmentRef(s, e, i) for (s, e), i in zip(spans, ids, strict=True)]
         # A family name is the tenant's own: another tenant's family of the same name is another.
-        family = None if annotation.family is None else scope + annotation.family
+        family = None if annotation.family is None else _family_key(salt, annotation.family)
         plan = _Plan(tokens, refs, first=num_computed_tokens, family=family,
                      round=annotation.round, scope=scope, close=annotation.close,
                      options=(annotation.recompute_ratio, annotation.sink_tokens))  # fmt: skip
@@ -496,6 +497,11 @@ class SchedulerSide:
 def _scope(cache_salt: object) -> str:
     """The round and family scope of a request: its tenant, by ``cache_salt`` ("" without)."""
     return f"{cache_salt}\x00" if cache_salt else ""
+
+
+def _family_key(cache_salt: object, family: str) -> str:
+    """A family's name inside the engine: the tenant's name for it, unambiguously (JSON)."""
+    return json.dumps([str(cache_salt or ""), family])
 
 
 # Report fields that count work: a request preempted and prefilled again adds both prefills'.

@@ -105,8 +105,8 @@ def test_rounds_and_closes_reach_the_worker_until_it_applied_them() -> None:
     side.on_worker_output(KMeshWorkerMetadata(rounds={"": 3}))
     assert side.build_meta(_empty_step()).rounds == {}
     side.finished(SimpleNamespace(request_id="a"))
-    assert side.build_meta(_empty_step()).closes == [(1, "f")]
-    assert side.build_meta(_empty_step()).closes == [(1, "f")]  # sent again: no answer yet
+    assert side.build_meta(_empty_step()).closes == [(1, '["", "f"]')]
+    assert side.build_meta(_empty_step()).closes == [(1, '["", "f"]')]  # sent again
     side.on_worker_output(KMeshWorkerMetadata(closed_upto=1))
     assert side.build_meta(_empty_step()).closes == []
 
