@@ -22,7 +22,10 @@ from kmesh_blend.blend import (
 )
 from kmesh_blend.models import LayerwiseModel
 
-RESULTS = Path(__file__).resolve().parent / "results"
+FULL_RESULTS = Path(__file__).resolve().parent / "results"
+# A --quick run writes apart (bench/results/quick/, not committed): it never replaces a full
+# run's results, which the README's tables are generated from.
+RESULTS = FULL_RESULTS / "quick" if "--quick" in sys.argv else FULL_RESULTS
 T = TypeVar("T")
 
 
@@ -76,13 +79,13 @@ def progress(items: Iterable[T], label: str, total: int | None = None) -> Iterab
 
 
 def plot_bars(name: str, labels: list[str], seconds: list[float], title: str) -> Path:
-    """Write ``bench/results/<name>.png``: one bar per configuration (seconds)."""
+    """Write ``<name>.png`` into `RESULTS`: one bar per configuration (seconds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 3.5))
     bars = ax.bar(labels, seconds, color="#4878a8")
     ax.bar_label(bars, labels=[f"{s:.2f}s" for s in seconds])

@@ -300,8 +300,9 @@ def _plot(stock: float, kmesh: float, overhead: float, goal: float, doc_len: int
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = BENCH / "results"
-    results.mkdir(exist_ok=True)
+    from _common import RESULTS as results
+
+    results.mkdir(parents=True, exist_ok=True)
     budgets = (STORE_CPU_BYTES + RETENTION_BYTES) / MIB
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar(["stock", "kmesh"], [stock, stock], color="#4878a8", label="stock vLLM peak")

@@ -159,7 +159,7 @@ def main() -> int:
             "seconds": round(seconds, 1),
         },
     }
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "family_policy.json").write_text(json.dumps(result, indent=2) + "\n")
     emit(result)
     return 0

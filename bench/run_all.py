@@ -2,7 +2,9 @@
 
 Each script's last printed line is one JSON object (CONTRACT.md). This runner saves it as
 ``bench/results/<name>.json`` and rewrites README's results table between its markers, so the
-table only ever shows measured numbers. ``--quick`` passes ``--quick`` to every script.
+table only ever shows measured numbers. ``--quick`` passes ``--quick`` to every script; a quick
+run's results (JSON and plots) go to ``bench/results/quick/`` and the README is left alone, so a
+quick run never replaces a full one.
 
 Every ``bench/*.py`` script (but this one and ``_*`` helpers) is one benchmark named after its
 file; `VARIANTS` adds benchmarks that run a script again with other arguments (named after the
@@ -52,7 +54,8 @@ def main() -> int:
         parser.error(f"unknown benchmark(s) {sorted(unknown)}; known: {known}")
     if args.names:
         jobs = [job for job in jobs if job[0] in args.names]
-    RESULTS.mkdir(exist_ok=True)
+    results = quick_results() if args.quick else RESULTS
+    results.mkdir(parents=True, exist_ok=True)
     failed = []
     for name, script, extra in jobs:
         print(f"== {name}", flush=True)
@@ -68,14 +71,19 @@ def main() -> int:
             print(f"{name}: no result line (exit {proc.returncode})", file=sys.stderr)
             failed.append(name)
             continue
-        (RESULTS / f"{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
-    if not args.no_readme:
+        (results / f"{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
+    if not args.no_readme and not args.quick:
         write_readme_table()
     if not jobs:
         print("no benchmark scripts in bench/ yet")
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def quick_results() -> Path:
+    """Where a ``--quick`` run's results go (the scripts agree: ``bench/_common.py``)."""
+    return RESULTS / "quick"
 
 
 def write_readme_table() -> None:
