@@ -299,7 +299,6 @@ def _plot(stock: float, kmesh: float, overhead: float, goal: float, doc_len: int
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from _common import RESULTS as results
 
     results.mkdir(parents=True, exist_ok=True)

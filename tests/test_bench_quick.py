@@ -54,14 +54,9 @@ def test_a_quick_run_leaves_full_results_and_readme(run_all: Any, monkeypatch: A
 
 def test_the_scripts_write_quick_results_apart() -> None:
     code = "import _common, sys; print(_common.RESULTS)"
-    out = [
-        subprocess.run(
-            [sys.executable, "-c", code, *flag],
-            cwd=BENCH,
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()  # fmt: skip
-        for flag in ([], ["--quick"])
-    ]
+    out = []
+    for flag in ([], ["--quick"]):
+        run = subprocess.run([sys.executable, "-c", code, *flag], cwd=BENCH, check=True,
+                             capture_output=True, text=True)  # fmt: skip
+        out.append(run.stdout.strip())
     assert out == [str(BENCH / "results"), str(BENCH / "results" / "quick")]
