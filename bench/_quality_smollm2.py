@@ -185,7 +185,7 @@ def precision_floor(tasks: list[ChatTask], refs: Any, log: Any) -> dict[str, Any
 
 
 def run(quick: bool, num_tasks: int, check_layers: tuple[int, ...]) -> dict[str, Any]:
-    """The whole measurement; returns the result object (CONTRACT.md's benchmark line)."""
+    """The whole measurement; returns the result object (the JSON line `bench/run_all.py` reads)."""
     from transformers import AutoTokenizer
 
     from kmesh_blend.quality.chat import chat_tasks

@@ -1,6 +1,7 @@
 """Run every benchmark script in bench/ and collect its result (what `make bench` does).
 
-Each script's last printed line is one JSON object (CONTRACT.md). This runner saves it as
+Each script's last printed line is one JSON object (``name``, ``metric``, ``value``, ``unit``,
+``goal``, ``baseline``, ``quick``, ``config``). This runner saves it as
 ``bench/results/<name>.json`` and rewrites README's results table between its markers, so the
 table only ever shows measured numbers. ``--quick`` passes ``--quick`` to every script; a quick
 run's results (JSON and plots) go to ``bench/results/quick/`` and the README is left alone, so a
@@ -22,6 +23,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
 README = BENCH.parent / "README.md"
+QUALITY_DOC = BENCH.parent / "docs" / "quality.md"  # the quality tables' home
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 Q_BEGIN, Q_END = "<!-- quality:begin -->", "<!-- quality:end -->"
 R_BEGIN, R_END = "<!-- quality_smollm2:begin -->", "<!-- quality_smollm2:end -->"
@@ -87,7 +89,8 @@ def quick_results() -> Path:
 
 
 def write_readme_table() -> None:
-    """Regenerate README's results table from bench/results/*.json."""
+    """Regenerate README's results table, and docs/quality.md's quality tables, from
+    bench/results/*.json."""
     rows = ["| benchmark | metric | value | goal | baseline | mode |", "|---|---|---|---|---|---|"]
     for path in sorted(RESULTS.glob("*.json")):
         r = json.loads(path.read_text())
@@ -99,7 +102,10 @@ def write_readme_table() -> None:
         )
     if len(rows) == 2:
         rows.append("| — | not measured yet | — | — | — | — |")
-    text = _between(README.read_text(), BEGIN, END, rows)
+    README.write_text(_between(README.read_text(), BEGIN, END, rows))
+    if not QUALITY_DOC.exists():
+        return
+    text = QUALITY_DOC.read_text()
     quality = RESULTS / "quality.json"
     if quality.exists():
         text = _between(text, Q_BEGIN, Q_END, _quality_rows(json.loads(quality.read_text())))
@@ -109,7 +115,7 @@ def write_readme_table() -> None:
         oracle = json.loads(ceiling.read_text()) if ceiling.exists() else None
         rows = _real_quality_rows(json.loads(real.read_text()), oracle)
         text = _between(text, R_BEGIN, R_END, rows)
-    README.write_text(text)
+    QUALITY_DOC.write_text(text)
 
 
 def _real_quality_rows(result: dict, ceiling: dict | None = None) -> list[str]:

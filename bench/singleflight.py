@@ -10,7 +10,7 @@ without notice the first follow-up's read is on their critical path; with notice
 prepared the family first (its time reported apart) and the follow-ups find the master in RAM.
 
 Headline: reads(neither) / reads(both) at N = 8 (goal: >= 8, i.e. one read serves every follower).
-The last printed line is the JSON result (CONTRACT.md).
+The last printed line is the JSON result (bench/run_all.py).
 """
 
 from __future__ import annotations

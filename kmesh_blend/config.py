@@ -131,7 +131,7 @@ class KMeshConfig:
     """Decode the readers of a stored master in cascade: each decode step reads the master's KV
     once for all of them (`kmesh_blend/vllm/cascade_decode.py`). Off by default: it saves KV
     bandwidth, which bounds decode on a GPU, but on CPU (the only backend wired) it is slower than
-    vLLM's fused kernel for the same arithmetic (README, "Cascade decode"); and it sums in
+    vLLM's fused kernel for the same arithmetic (docs/cascade.md); and it sums in
     another order (fp32 tokens equal, log-probabilities differ in the last bits)."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 

@@ -34,6 +34,7 @@ def run_all(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     monkeypatch.setattr(run_all, "BENCH", bench)
     monkeypatch.setattr(run_all, "RESULTS", bench / "results")
     monkeypatch.setattr(run_all, "README", readme)
+    monkeypatch.setattr(run_all, "QUALITY_DOC", tmp_path / "absent.md")
     monkeypatch.setattr(run_all, "VARIANTS", {})
     return run_all
 

@@ -23,8 +23,8 @@ Exactness, measured in tests/attention/test_hook.py (fp32 tiny Llamas, 4 layers)
   with the same shapes in ``sequential`` and ``layer_sync``).
 - `CascadeGroupAttention`: *not* guaranteed bit-identical across schedules — the shared level
   scores the queries of all siblings in one GEMM whose row count depends on the group, and CPU
-  GEMMs are not batch-invariant (FACTS.md); the measured difference is printed by the test and
-  bounded there (≤ 1e-5 on logits).
+  GEMMs are not batch-invariant (fp32 rows change bits with the row count below ~64 rows); the
+  measured difference is printed by the test and bounded there (≤ 1e-5 on logits).
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def merge_state(
     sb: torch.Tensor,
     backend: CascadeBackend = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact merge of two states over disjoint key sets (base-2 log-sum-exp, FACTS.md).
+    """Exact merge of two states over disjoint key sets (base-2 log-sum-exp).
 
     ``va`` / ``vb``: [n, H, D] float; ``sa`` / ``sb``: [n, H] fp32 (−inf: empty level).
     Returns (v [n, H, D] fp32, s [n, H] fp32); both empty → (0, −inf).

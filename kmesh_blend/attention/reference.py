@@ -1,7 +1,7 @@
 """Plain-torch fp32 references of cascade attention.
 
 - `attention_state`: the attention state (v, s) of queries over one masked key set — the math
-  every level of every backend computes (s = log2-sum-exp of the scaled scores, FACTS.md).
+  every level of every backend computes (s = log2-sum-exp of the scaled scores, as FlashInfer).
 - `merge_state_reference`: the exact base-2 state merge, empty levels (s = −inf) guarded.
 - `level_state_reference`: one cascade level (key positions, visibility limits, excluded rows)
   on top of `attention_state`; the torch backend of `cascade_attention`.

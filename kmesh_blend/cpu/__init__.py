@@ -5,7 +5,7 @@ A family's decode attention on this CPU is bound by arithmetic (vLLM's fused CPU
 changes is the shape: one master's K/V against all readers' queries at once. `cascade_decode.cpp`
 does that pass per layer in one call (append, rotate, score, softmax, weight, merge), with bf16
 dot-product instructions on K/V read in their stored dtype, which plain torch ops cannot do
-without a kernel launch per product and a copy per dtype conversion (README "Cascade decode").
+without a kernel launch per product and a copy per dtype conversion (docs/cascade.md).
 
 Triton has no compiled CPU backend here (only its interpreter), hence C++. The source is compiled
 with torch's extension builder into torch's extension cache (``TORCH_EXTENSIONS_DIR``) the first

@@ -1,6 +1,6 @@
 """Parse and validate the per-request ``kv_transfer_params["kmesh"]`` annotation.
 
-A request names its shared segments as half-open token spans of its prompt (CONTRACT.md)::
+A request names its shared segments as half-open token spans of its prompt (docs/contract.md)::
 
     {"kmesh": {"segments": [[start, end], ...], "family": "doc-42", "round": 0,
                "prepare": false, "keep": false, "close": false,
