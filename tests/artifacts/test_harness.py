@@ -25,8 +25,8 @@ from kmesh_blend.artifacts.mixes import standard_mixes
 
 SCALE = 0.25  # a quarter of the benchmark's families: same sizes, budgets and rates
 MiB = 1 << 20
-# Stated tolerance of the projection against the harness (see docs/artifacts.md): working set within 25 %
-# when nothing spills; RAM hit share of ancestor gets within 0.2 when it does.
+# Stated tolerance of the projection against the harness (see docs/artifacts.md): working set
+# within 25 % when nothing spills; RAM hit share of ancestor gets within 0.2 when it does.
 WS_TOLERANCE, HIT_TOLERANCE = 0.25, 0.20
 
 
