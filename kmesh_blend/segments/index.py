@@ -10,8 +10,9 @@ segment published in round ``r`` of scope ``s`` lives while ``round_of(s) < r + 
 (multi-agent All-Gather: each agent's output of round ``r`` is read by every agent in round
 ``r + 1``; with ``keep_rounds=2`` it is retired when round ``r + 2`` starts). A segment published
 in a round its scope has already outlived is expired at once: `retire_expired` (called after
-publishing) returns it. An expired entry is
-*retired* (removed, returned with state ``EVICTED`` so the caller can free its storage) unless it
+publishing) returns it. Past ``max_entries`` scopes, the clocks of scopes without entries are
+dropped (a caller that knows a scope's round passes it again with `advance_round`). An expired
+entry is *retired* (removed, returned with state ``EVICTED`` so the caller can free its storage) unless it
 is pinned by an open family or in use (refcount > 0); such an entry is retired as soon as the last
 pin or reference goes. Entries published without a round are not round-scoped: they live until
 `evict`, or until the index holds ``max_entries`` and they are the oldest not held (the index
@@ -275,7 +276,11 @@ class SegmentIndex:
             if new < now:
                 raise ValueError(f"rounds only move forward: {now} → {new}")
             self._rounds[scope] = new
-            return self._retire_expired()
+            retired = self._retire_expired()
+            if len(self._rounds) > self.max_entries:  # scopes without entries need no clock
+                live = {e.scope for e in self._entries.values()} | {scope}
+                self._rounds = {s: r for s, r in self._rounds.items() if s in live}
+            return retired
 
     def retire_expired(self) -> list[SegmentInfo]:
         """Remove and return every entry past its rounds that nothing holds (for entries

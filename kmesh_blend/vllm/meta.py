@@ -98,6 +98,7 @@ class SaveRequest:
     family: str | None = None  # held for this family until it closes
     round: int | None = None  # published in this round (retired `round_lifetime` rounds later)
     scope: str = ""  # whose round clock ``round`` counts on (the tenant)
+    scope_round: int | None = None  # that clock as the scheduler knows it (the index may not)
 
 
 @dataclass

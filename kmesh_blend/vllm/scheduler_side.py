@@ -491,6 +491,7 @@ class SchedulerSide:
             self._saving.update(unique)
             save = SaveRequest(req_id, list(plan.blocks), list(unique.values()))
             save.family, save.round, save.scope = plan.family, plan.round, plan.scope
+            save.scope_round = self._rounds.get(plan.scope)
             meta.saves.append(save)
 
 

@@ -224,8 +224,14 @@ class WorkerSide:
                     why = getattr(self.store, "last_error", "") or "the store refused it"
                     self.out.store_errors[ref.segment_id] = f"{self.store.tier} store: {why}"
         if any(save.round is not None for save in meta.saves):
-            # A round announced late may be one its tenant has outlived: its segments go now.
-            self._report_retired(self.cache.retire_expired())
+            # A round announced late may be one its tenant has outlived: its segments go now
+            # (the tenant's clock as the scheduler knows it, should the index have forgotten it).
+            retired = []
+            for save in meta.saves:
+                known = save.scope_round
+                if known is not None and known > self.cache.index.round_of(save.scope):
+                    retired += self.cache.advance_round(known, save.scope)
+            self._report_retired(retired + self.cache.retire_expired())
 
     def _blend(
         self, ready: list[tuple[LoadRequest, BlendRequest]], source: MasterSource, hooks: list[Any]
@@ -492,7 +498,12 @@ class WorkerSide:
 def _adapt(model: Any, hf_config: Any, dtype: torch.dtype) -> tuple[VllmModel, str | None]:
     """(adapter, None) when the blend can run on ``model``; else (adapter or a shape-only
     stand-in, the reason every reuse falls back)."""
-    if model is None:
+    from kmesh_blend.vllm.version import unsupported_vllm
+
+    outside = unsupported_vllm()
+    if outside is not None:
+        reason = outside
+    elif model is None:
         reason = "the loaded model was not reachable (is the kmesh_blend vLLM plugin enabled?)"
     else:
         try:

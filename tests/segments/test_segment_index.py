@@ -84,6 +84,16 @@ def test_rounds_count_per_scope() -> None:
     assert sid(2) in index
 
 
+def test_clocks_of_empty_scopes_are_bounded() -> None:
+    index = SegmentIndex(keep_rounds=2, max_entries=4)
+    index.publish(sid(1), 4, round=7, scope="kept")
+    index.advance_round(to=8, scope="kept")
+    for i in range(10):
+        index.advance_round(to=3, scope=f"t{i}")
+    assert len(index._rounds) <= 5 and index.round_of("kept") == 8
+    assert index.round_of("t9") == 3  # the newest stays
+
+
 def test_a_round_published_late_is_expired_at_once_unless_held() -> None:
     index = SegmentIndex(keep_rounds=2)
     index.advance_round(to=10)
