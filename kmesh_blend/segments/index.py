@@ -13,8 +13,8 @@ in a round its scope has already outlived is expired at once: `retire_expired` (
 publishing) returns it. Past ``max_entries`` scopes, the clocks of scopes without entries are
 dropped (a caller that knows a scope's round passes it again with `advance_round`). An expired
 entry is *retired* (removed, returned with state ``EVICTED`` so the caller can free its storage)
-unless it is pinned by an open family or in use (refcount > 0); such an entry is retired as soon as the last
-pin or reference goes. Entries published without a round are not round-scoped: they live until
+unless it is pinned by an open family or in use (refcount > 0); such an entry is retired as soon
+as the last pin or reference goes. Entries published without a round are not round-scoped: they live until
 `evict`, or until the index holds ``max_entries`` and they are the oldest not held (the index
 forgets them; their masters stay in the store until the store's own budget evicts them).
 
