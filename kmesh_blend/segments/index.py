@@ -8,8 +8,8 @@ Lifetime. Rounds are counted per *scope* (a tenant: the engine's connector passe
 ``cache_salt``; ``""`` by default), so one tenant's rounds never retire another's segments. A
 segment published in round ``r`` of scope ``s`` lives while ``round_of(s) < r + keep_rounds``
 (multi-agent All-Gather: each agent's output of round ``r`` is read by every agent in round
-``r + 1``; with ``keep_rounds=2`` it is retired when round ``r + 2`` starts). A segment published in a
-round its scope has already outlived is expired at once: `retire_expired` (called after publishing)
+``r + 1``; with ``keep_rounds=2`` it is retired when round ``r + 2`` starts). A segment published
+in a round its scope has already outlived is expired at once: `retire_expired` (called after publishing)
 returns it. Past ``max_entries`` scopes, the clocks of scopes without entries are dropped (a caller
 that knows a scope's round passes it again with `advance_round`). An expired entry is *retired*
 (removed, returned with state ``EVICTED`` so the caller can free its storage) unless it is pinned by
