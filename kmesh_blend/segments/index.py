@@ -9,14 +9,14 @@ Lifetime. Rounds are counted per *scope* (a tenant: the engine's connector passe
 segment published in round ``r`` of scope ``s`` lives while ``round_of(s) < r + keep_rounds``
 (multi-agent All-Gather: each agent's output of round ``r`` is read by every agent in round
 ``r + 1``; with ``keep_rounds=2`` it is retired when round ``r + 2`` starts). A segment published
-in a round its scope has already outlived is expired at once: `retire_expired` (called after publishing)
-returns it. Past ``max_entries`` scopes, the clocks of scopes without entries are dropped (a caller
-that knows a scope's round passes it again with `advance_round`). An expired entry is *retired*
-(removed, returned with state ``EVICTED`` so the caller can free its storage) unless it is pinned by
-an open family or in use (refcount > 0); such an entry is retired as soon as the last pin or
-reference goes. Entries published without a round are not round-scoped: they live until `evict`, or
-until the index holds ``max_entries`` and they are the oldest not held (the index forgets them;
-their masters stay in the store until the store's own budget evicts them).
+in a round its scope has already outlived is expired at once: `retire_expired` (called after
+publishing) returns it. Past ``max_entries`` scopes, the clocks of scopes without entries are
+dropped (a caller that knows a scope's round passes it again with `advance_round`). An expired
+entry is *retired* (removed, returned with state ``EVICTED`` so the caller can free its storage)
+unless it is pinned by an open family or in use (refcount > 0); such an entry is retired as soon
+as the last pin or reference goes. Entries published without a round are not round-scoped: they
+live until `evict`, or until the index holds ``max_entries`` and they are the oldest not held (the
+index forgets them; their masters stay in the store until the store's own budget evicts them).
 
 States: ``COLD`` (master only in the backing tier) → ``LOADING`` (a read in flight) → ``READY``
 (in host RAM); ``LOADING → COLD`` on a failed read, ``READY → COLD`` when host RAM drops it.
