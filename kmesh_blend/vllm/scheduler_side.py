@@ -9,7 +9,6 @@ token itself over that KV.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,13 +28,13 @@ from kmesh_blend.vllm.meta import (
 )
 from kmesh_blend.vllm.prefix_cache import Privatizer
 from kmesh_blend.vllm.registry import LruDict, LruSet
+from kmesh_blend.vllm.reports import merge, resumed, short
+from kmesh_blend.vllm.rounds import RoundClocks, family_key, scope_of
 from kmesh_blend.vllm.stats import fallback_reason
-from kmesh_blend.vllm.turns import turn_id
+from kmesh_blend.vllm.turn_registry import HEAD, TurnRegistry
 
 __all__ = ["SchedulerSide"]
 
-_HEAD = 16  # turn records are found by their prompt's first tokens (shorter prompts: not kept)
-_REASON_CHARS = 200  # a fallback reason echoes at most this much of the bad input
 # Registry bounds (kmesh_blend/vllm/registry.py): ids are 64 hex chars, so ≈10 MiB at most.
 _MAX_PUBLISHED, _MAX_TURNS, _MAX_SCOPES = 1 << 16, 1 << 12, 1 << 16
 
@@ -89,15 +88,7 @@ class SchedulerSide:
         self._saving: set[str] = set()  # segments a save is already scheduled for
         # Segments whose last save the store refused → why: reported to their next readers.
         self.unstored: LruDict[str, str] = LruDict(_MAX_PUBLISHED)
-        # Turn records: id → (prompt length, segment uses), and prompt lengths by their head.
-        # Turn records: id → (prompt length, segment uses, prompt head); per head, how many
-        # records have each prompt length.
-        self.turns: LruDict[str, tuple[int, list[SegmentRef], tuple[int, ...]]] = LruDict(
-            _MAX_TURNS, on_evict=self._forget_turn
-        )
-        self._turn_lengths: dict[tuple[int, ...], dict[int, int]] = {}
-        self._keeping: dict[str, tuple[int, list[SegmentRef], tuple[int, ...]]] = {}
-        self._finished_keeps: list[str] = []  # records of requests finished this step
+        self.turns = TurnRegistry(_MAX_TURNS)  # continuing requests' stored prompts
         # Reports handed out this step. A request that finishes in the step of its prefill
         # (max_tokens=1) is reported before the worker's outcome arrives later in the same
         # `update_from_output`; the outcome is merged into the same dict before vLLM emits it.
@@ -105,12 +96,9 @@ class SchedulerSide:
         self._counted: set[str] = set()  # of `_recent`, already in the metrics
         self._recent_before: dict[str, Report] = {}  # of `_recent`, the resumed ones' `before`
         self._gauges: dict[str, int] = {}
-        # Rounds and families (the worker's round-aware index acts on them). Rounds count per
-        # tenant scope (`_scope`): the latest round each announced, and the announcements the
-        # worker has not confirmed yet (sent every step until it has: a step without a forward
-        # may never reach it); families closed by finished requests, likewise.
-        self._rounds: LruDict[str, int] = LruDict(_MAX_SCOPES)
-        self._round_news: dict[str, int] = {}
+        # Rounds per tenant, and families closed by finished requests (sent every step until
+        # the worker applied them: a step without a forward may never reach it).
+        self.rounds = RoundClocks(config.max_round_jump, _MAX_SCOPES)
         self._closing: list[tuple[int, str]] = []  # (number, family) until the worker applied it
         self._close_seq = 0
         # Segments the worker retired by their lifetime → the round they were published in.
@@ -147,7 +135,7 @@ class SchedulerSide:
         if parsed.annotation is None:
             if parsed.fallback is not None:
                 plan = _Plan(tokens, [])
-                plan.report["fallback"] = _short(parsed.fallback)
+                plan.report["fallback"] = short(parsed.fallback)
                 self.plans[request.request_id] = plan
                 log.warning(
                     "kmesh: request %s runs without reuse: %s",
@@ -165,9 +153,9 @@ class SchedulerSide:
         salt = getattr(request, "cache_salt", None)
         if salt:  # tenants with different salts never share KV
             namespace = dataclasses.replace(namespace, cache_salt=str(salt))
-        scope = _scope(salt)
+        scope = scope_of(salt)
         annotation = parsed.annotation
-        jump = self._round_jump(scope, annotation.round)
+        jump = self.rounds.refusal(scope, annotation.round)
         if jump is not None:
             plan = _Plan(tokens, [])
             plan.report["fallback"] = jump
@@ -177,17 +165,16 @@ class SchedulerSide:
         ids = segment_ids(namespace, tokens, spans)
         refs = [SegmentRef(s, e, i) for (s, e), i in zip(spans, ids, strict=True)]
         # A family name is the tenant's own: another tenant's family of the same name is another.
-        family = None if annotation.family is None else _family_key(salt, annotation.family)
+        family = None if annotation.family is None else family_key(salt, annotation.family)
         plan = _Plan(tokens, refs, first=num_computed_tokens, family=family,
                      round=annotation.round, scope=scope, close=annotation.close,
                      options=(annotation.recompute_ratio, annotation.sink_tokens))  # fmt: skip
-        if annotation.round is not None and annotation.round > (self._rounds.get(scope) or 0):
-            self._rounds[scope] = self._round_news[scope] = annotation.round
+        self.rounds.announce(scope, annotation.round)
         # Rescheduled after a preemption (perhaps asked again while it waited for memory): the
         # report keeps what it reused before.
         before = None if old is None else old.report if old.blocks else old.before
         if before is not None:
-            plan.before, plan.report = before, _resumed(before)
+            plan.before, plan.report = before, resumed(before)
         if self.privatizer is not None and plan.before is None:
             # (after a preemption the cache holds the request's own blocks: not a prefix hit)
             plan.report["prefix_cached_tokens"] = num_computed_tokens
@@ -197,20 +184,6 @@ class SchedulerSide:
         if matched and self.privatizer is not None:
             self.privatizer.privatize(request, num_computed_tokens)
         return matched
-
-    def _round_jump(self, scope: str, round_: int | None) -> str | None:
-        """Why ``round_`` is refused for a request of ``scope`` (too far ahead of the scope's
-        current round), or None."""
-        if round_ is None:
-            return None
-        now = self._rounds.get(scope) or 0
-        bound = self.config.max_round_jump
-        if round_ <= now + bound:
-            return None
-        return (
-            f"round refused: round={round_}; valid: at most {now + bound} (this tenant's "
-            f"round {now} + kmesh.max_round_jump {bound})"
-        )
 
     def _plan_reuse(
         self, annotation: Any, namespace: Namespace, plan: _Plan, num_computed: int,
@@ -225,7 +198,7 @@ class SchedulerSide:
                 "prompt_logprobs requested: vLLM computes every prompt token itself"
             )
             return 0
-        turn = self._find_turn(namespace, tokens, refs) if num_computed_tokens == 0 else None
+        turn = self.turns.find(namespace, tokens, refs) if num_computed_tokens == 0 else None
         if turn is not None:  # the request continues: restore its earlier prompt's KV
             plan.turn = turn
             plan.saves = [r for r in refs if r.start >= turn[1]]  # new segments: stored after
@@ -240,7 +213,7 @@ class SchedulerSide:
         ]
         plan.saves = [r for r in refs if r not in plan.loads]
         if not plan.loads and problems:  # the store did not answer: it says which and why
-            plan.report["fallback"] = _short(problems[0])
+            plan.report["fallback"] = short(problems[0])
             return 0
         if not plan.loads:
             gone = next((r for r in refs if r.segment_id in self.retired), None)
@@ -253,15 +226,12 @@ class SchedulerSide:
             refused = [(r, self.unstored.get(r.segment_id)) for r in refs]
             ref, why = next(((r, w) for r, w in refused if w), (None, None))
             if ref is not None:  # stored before? the store could not take it
-                plan.report["fallback"] = _short(
-                    f"not stored: segment {ref.segment_id[:16]}: {why}"
-                )
+                plan.report["fallback"] = short(f"not stored: segment {ref.segment_id[:16]}: {why}")
             return 0
         if len(tokens) - VLLM_TAIL <= num_computed_tokens:
             return 0
-        if annotation.keep and len(tokens) >= _HEAD:
-            plan.keep = turn_id(namespace, tokens)
-            self._keeping[plan.keep] = (len(tokens), refs, tuple(tokens[:_HEAD]))
+        if annotation.keep and len(tokens) >= HEAD:
+            plan.keep = self.turns.keep(namespace, tokens, refs)
         return len(tokens) - VLLM_TAIL - num_computed_tokens
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -273,10 +243,8 @@ class SchedulerSide:
         self._recent.clear()
         self._recent_before.clear()
         self._counted.clear()
-        for record in self._finished_keeps:  # its turn was stored by now, or never will be
-            self._keeping.pop(record, None)
-        self._finished_keeps.clear()
-        meta = KMeshMetadata(rounds=dict(self._round_news), closes=list(self._closing))
+        self.turns.new_step()
+        meta = KMeshMetadata(rounds=self.rounds.news(), closes=list(self._closing))
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             plan = self.plans.get(new.req_id)
@@ -344,35 +312,17 @@ class SchedulerSide:
             self.unstored.pop(segment_id)
             self.retired.pop(segment_id)
         self._closing = [(n, f) for n, f in self._closing if n > worker_meta.closed_upto]
-        for scope, applied in worker_meta.rounds.items():
-            if self._round_news.get(scope, applied + 1) <= applied:
-                del self._round_news[scope]
+        self.rounds.applied(worker_meta.rounds)
         self.published.difference_update(worker_meta.retired)  # deleted from the store
         for segment_id, round_ in worker_meta.retired.items():
             self.retired[segment_id] = round_
-        for record in worker_meta.turns:
-            kept = self._keeping.pop(record, None)
-            if kept is not None and record not in self.turns:
-                length, _, head = kept
-                self.turns[record] = kept
-                counts = self._turn_lengths.setdefault(head, {})
-                counts[length] = counts.get(length, 0) + 1
+        self.turns.stored(worker_meta.turns)
         for req_id, report in worker_meta.reports.items():
             plan = self.plans.get(req_id)
             target = plan.report if plan is not None else self._recent.get(req_id)
             before = plan.before if plan is not None else self._recent_before.get(req_id)
             if target is not None:
-                reason = report.get("fallback")
-                if reason:
-                    report = {**report, "fallback": _short(reason)}
-                if before is not None:
-                    report = _plus(before, report)
-                off, seen = report.get("cascade_off"), target.get("cascade_off")
-                if off and seen:  # every reason, once
-                    known = seen.split("; ")
-                    joined = seen if off in known else _short(f"{seen}; {off}")
-                    report = {**report, "cascade_off": joined}
-                target.update(report)
+                merge(target, report, before)
             if plan is not None and report.get("fallback") and plan.turn is None:
                 # The load failed and vLLM recomputes the prompt: once it has, store every
                 # segment of it the store does not hold.
@@ -387,7 +337,7 @@ class SchedulerSide:
         if plan is None:
             return None
         if plan.keep is not None:
-            self._finished_keeps.append(plan.keep)
+            self.turns.finished(plan.keep)
         if plan.close and plan.family is not None:
             self._close_seq += 1
             self._closing.append((self._close_seq, plan.family))
@@ -426,8 +376,8 @@ class SchedulerSide:
                 add("requests|no_reuse", 1)
         gauges = {
             "published_segments": len(self.published),
-            "turn_records": len(self.turns),
-            "pending_keeps": len(self._keeping),
+            "turn_records": len(self.turns.records),
+            "pending_keeps": self.turns.num_pending,
             "plans": len(self.plans),
         }
         if not counters and gauges == self._gauges:
@@ -436,16 +386,6 @@ class SchedulerSide:
         return {"counters": counters, "gauges": gauges}
 
     # --- helpers --------------------------------------------------------------------------------
-
-    def _forget_turn(self, record: str, entry: tuple[int, list[SegmentRef], Any]) -> None:
-        """A turn record fell out of `turns`: its prompt length no longer needs looking up."""
-        length, _, head = entry
-        counts = self._turn_lengths.get(head, {})
-        counts[length] = counts.get(length, 1) - 1
-        if counts[length] <= 0:
-            del counts[length]
-        if not counts:
-            self._turn_lengths.pop(head, None)
 
     def _is_published(self, segment_id: str, problems: list[str]) -> bool:
         """Whether ``segment_id`` can be loaded; a store that cannot answer means no (the
@@ -460,20 +400,6 @@ class SchedulerSide:
             except Exception as exc:
                 problems.append(str(exc))
         return False
-
-    def _find_turn(
-        self, namespace: Namespace, tokens: list[int], refs: list[SegmentRef]
-    ) -> tuple[str, int] | None:
-        """The longest stored turn whose prompt is a proper prefix of ``tokens`` with the same
-        segments at the same places: (record id, its length), or None."""
-        for length in sorted(self._turn_lengths.get(tuple(tokens[:_HEAD]), ()), reverse=True):
-            if length >= len(tokens):  # vLLM must compute at least one token
-                continue
-            record = turn_id(namespace, tokens[:length])
-            stored = self.turns.get(record)
-            if stored is not None and stored[1] == [r for r in refs if r.end <= length]:
-                return record, length
-        return None
 
     def _maybe_save(self, meta: KMeshMetadata, req_id: str, plan: _Plan, done: int) -> None:
         if plan.saved or done < len(plan.token_ids):
@@ -491,46 +417,5 @@ class SchedulerSide:
             self._saving.update(unique)
             save = SaveRequest(req_id, list(plan.blocks), list(unique.values()))
             save.family, save.round, save.scope = plan.family, plan.round, plan.scope
-            save.scope_round = self._rounds.get(plan.scope)
+            save.scope_round = self.rounds.now(plan.scope)
             meta.saves.append(save)
-
-
-def _scope(cache_salt: object) -> str:
-    """The round and family scope of a request: its tenant, by ``cache_salt`` ("" without)."""
-    return f"{cache_salt}\x00" if cache_salt else ""
-
-
-def _family_key(cache_salt: object, family: str) -> str:
-    """A family's name inside the engine: the tenant's name for it, unambiguously (JSON)."""
-    return json.dumps([str(cache_salt or ""), family])
-
-
-# Report fields that count work: a request preempted and prefilled again adds both prefills'.
-_ADDITIVE = ("reused_tokens", "recomputed_tokens", "storage_reads", "load_ms", "cascade_steps",
-             "restored_tokens", "kept_bytes")  # fmt: skip
-
-
-def _resumed(before: Report) -> Report:
-    """The report a request starts with when it is scheduled again after a preemption: what it
-    reused before, one more preemption, no fallback yet."""
-    out: Report = {**before, "fallback": None}
-    out["preemptions"] = before.get("preemptions", 0) + 1
-    return out
-
-
-def _plus(before: Report, fields: Report) -> Report:
-    """The worker's ``fields`` for a resumed request's new prefill, on top of ``before``."""
-    out = dict(fields)
-    for key in _ADDITIVE:
-        if key in fields:
-            total = before.get(key, 0) + fields[key]  # type: ignore[literal-required]
-            out[key] = round(total, 3) if isinstance(total, float) else total
-    return out  # type: ignore[return-value]
-
-
-def _short(reason: str) -> str:
-    """``reason`` cut to `_REASON_CHARS` characters (a bad field may be megabytes)."""
-    if len(reason) <= _REASON_CHARS:
-        return reason
-    suffix = f"… ({len(reason)} chars)"
-    return reason[: _REASON_CHARS - len(suffix)] + suffix

@@ -66,27 +66,28 @@ def test_registries_are_bounded() -> None:
         LruSet(0)
 
 
-def test_evicted_turn_records_leave_no_lookup_behind(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler_module, "_MAX_TURNS", 2)
-    side = _side()
+def test_evicted_turn_records_leave_no_lookup_behind() -> None:
+    from kmesh_blend.vllm.turn_registry import TurnRegistry, _Record
+
+    turns = TurnRegistry(2)
     for i in range(3):
         record, head = f"t{i}", (i,) * 16
-        side._keeping[record] = (100 + i, [], head)
-        side.on_worker_output(KMeshWorkerMetadata(turns=[record]))
-    assert len(side.turns) == 2 and "t0" not in side.turns
-    assert (0,) * 16 not in side._turn_lengths and side._turn_lengths[(2,) * 16] == {102: 1}
+        turns._keeping[record] = _Record(100 + i, [], head)
+        turns.stored([record])
+    assert len(turns.records) == 2 and "t0" not in turns.records
+    assert (0,) * 16 not in turns._lengths and turns._lengths[(2,) * 16] == {102: 1}
 
 
 def test_keeps_of_finished_requests_that_were_never_stored_are_dropped() -> None:
     side = _side()
     req = _request("r", [[4, 40]], keep=True)
     side.num_matched(req, 0)
-    side.plans["r"].keep = "rec"
-    side._keeping["rec"] = (64, [], (0,) * 16)
+    side.plans["r"].keep = side.turns.keep(side.namespace, list(range(64)), [])
+    assert side.turns.num_pending == 1
     side.finished(req)
     side.build_meta(SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
                                     scheduled_cached_reqs=SimpleNamespace(req_ids=[])))  # fmt: skip
-    assert side._keeping == {}
+    assert side.turns.num_pending == 0
 
 
 def _empty_step() -> Any:

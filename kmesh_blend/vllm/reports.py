@@ -1,0 +1,53 @@
+"""Merging the worker's per-request outcomes into the scheduler side's reports.
+
+A request's report (`kmesh_blend.vllm.meta.Report`) is owned by the scheduler side; each step
+the worker sends fields for it. `merge` puts them in: reasons cut to `REASON_CHARS`, every
+distinct ``cascade_off`` reason kept once, and for a request scheduled again after a preemption
+(`resumed`) the counts of its earlier prefills added.
+"""
+
+from __future__ import annotations
+
+from kmesh_blend.vllm.meta import Report
+
+__all__ = ["REASON_CHARS", "merge", "resumed", "short"]
+
+REASON_CHARS = 200  # a reason echoes at most this much of the bad input
+# Fields that count work: a request preempted and prefilled again adds both prefills'.
+_ADDITIVE = ("reused_tokens", "recomputed_tokens", "storage_reads", "load_ms", "cascade_steps",
+             "restored_tokens", "kept_bytes")  # fmt: skip
+
+
+def short(reason: str) -> str:
+    """``reason`` cut to `REASON_CHARS` characters (a bad field may be megabytes)."""
+    if len(reason) <= REASON_CHARS:
+        return reason
+    suffix = f"… ({len(reason)} chars)"
+    return reason[: REASON_CHARS - len(suffix)] + suffix
+
+
+def resumed(before: Report) -> Report:
+    """The report a request starts with when it is scheduled again after a preemption: what it
+    reused before, one more preemption, no fallback yet."""
+    out: Report = {**before, "fallback": None}
+    out["preemptions"] = before.get("preemptions", 0) + 1
+    return out
+
+
+def merge(target: Report, fields: Report, before: Report | None) -> Report:
+    """Put the worker's ``fields`` into ``target``; ``before``: the request's report when it
+    was preempted (its counts are added), or None. Returns the fields as merged."""
+    out = dict(fields)
+    reason = fields.get("fallback")
+    if reason:
+        out["fallback"] = short(reason)
+    if before is not None:
+        for key in _ADDITIVE:
+            if key in fields:
+                total = before.get(key, 0) + fields[key]  # type: ignore[literal-required]
+                out[key] = round(total, 3) if isinstance(total, float) else total
+    off, seen = out.get("cascade_off"), target.get("cascade_off")
+    if off and seen:  # every reason, once
+        out["cascade_off"] = seen if off in seen.split("; ") else short(f"{seen}; {off}")
+    target.update(out)  # type: ignore[typeddict-item]
+    return out  # type: ignore[return-value]
