@@ -57,11 +57,11 @@ class _Plan:
     blocks: list[int] = field(default_factory=list)
     family: str | None = None  # the annotation's lifetime fields (docs/contract.md)
     round: int | None = None
-    scope: str = ""  # whose round clock `round` counts on (`_scope`)
+    scope: str = ""  # whose round clock `round` counts on (`rounds.scope_of`)
     close: bool = False
     options: tuple[float | None, int | None] = (None, None)  # the request's ratio, sink tokens
     report: Report = field(default_factory=new_report)
-    before: Report | None = None  # its report when it was preempted (`_resumed`)
+    before: Report | None = None  # its report when it was preempted (`reports.resumed`)
 
 
 class SchedulerSide:
@@ -134,14 +134,7 @@ class SchedulerSide:
         )
         if parsed.annotation is None:
             if parsed.fallback is not None:
-                plan = _Plan(tokens, [])
-                plan.report["fallback"] = short(parsed.fallback)
-                self.plans[request.request_id] = plan
-                log.warning(
-                    "kmesh: request %s runs without reuse: %s",
-                    request.request_id,
-                    plan.report["fallback"],
-                )
+                self._without_reuse(request.request_id, tokens, short(parsed.fallback))
             return 0
         if self.disabled is not None:
             plan = _Plan(tokens, [])
@@ -157,10 +150,7 @@ class SchedulerSide:
         annotation = parsed.annotation
         jump = self.rounds.refusal(scope, annotation.round)
         if jump is not None:
-            plan = _Plan(tokens, [])
-            plan.report["fallback"] = jump
-            self.plans[request.request_id] = plan
-            log.warning("kmesh: request %s runs without reuse: %s", request.request_id, jump)
+            self._without_reuse(request.request_id, tokens, jump)
             return 0
         ids = segment_ids(namespace, tokens, spans)
         refs = [SegmentRef(s, e, i) for (s, e), i in zip(spans, ids, strict=True)]
@@ -184,6 +174,13 @@ class SchedulerSide:
         if matched and self.privatizer is not None:
             self.privatizer.privatize(request, num_computed_tokens)
         return matched
+
+    def _without_reuse(self, req_id: str, tokens: list[int], reason: str) -> None:
+        """The request runs on the stock path; its report says why."""
+        plan = _Plan(tokens, [])
+        plan.report["fallback"] = reason
+        self.plans[req_id] = plan
+        log.warning("kmesh: request %s runs without reuse: %s", req_id, reason)
 
     def _plan_reuse(
         self, annotation: Any, namespace: Namespace, plan: _Plan, num_computed: int,
@@ -257,13 +254,13 @@ class SchedulerSide:
             )
         cached = scheduler_output.scheduled_cached_reqs
         # A request resumed after a preemption comes back here, with all its blocks anew.
-        resumed = getattr(cached, "resumed_req_ids", None) or ()
+        resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
         for i, req_id in enumerate(cached.req_ids):
             plan = self.plans.get(req_id)
             if plan is None:
                 continue
             new_blocks = cached.new_block_ids[i]
-            if req_id in resumed:
+            if req_id in resumed_ids:
                 plan.blocks = list(new_blocks[0]) if new_blocks is not None else []
                 self._load(meta, req_id, plan)
             elif new_blocks is not None:

@@ -226,12 +226,8 @@ class WorkerSide:
         if any(save.round is not None for save in meta.saves):
             # A round announced late may be one its tenant has outlived: its segments go now
             # (the tenant's clock as the scheduler knows it, should the index have forgotten it).
-            retired = []
-            for save in meta.saves:
-                known = save.scope_round
-                if known is not None and known > self.cache.index.round_of(save.scope):
-                    retired += self.cache.advance_round(known, save.scope)
-            self._report_retired(retired + self.cache.retire_expired())
+            known = {s.scope: s.scope_round for s in meta.saves if s.scope_round is not None}
+            self._report_retired(self._advance(known) + self.cache.retire_expired())
 
     def _blend(
         self, ready: list[tuple[LoadRequest, BlendRequest]], source: MasterSource, hooks: list[Any]
@@ -258,17 +254,21 @@ class WorkerSide:
     def _lifetimes(self, meta: KMeshMetadata) -> None:
         """Move the round-aware index to the announced round and close finished families; what
         that retires is deleted from the store and reported (the scheduler forgets it)."""
-        retired = []
-        index = self.cache.index
-        for scope, round_ in meta.rounds.items():
-            if round_ > index.round_of(scope):
-                retired += self.cache.advance_round(round_, scope)
-            self.out.rounds[scope] = index.round_of(scope)
+        retired = self._advance(meta.rounds)
+        self.out.rounds.update({scope: self.cache.index.round_of(scope) for scope in meta.rounds})
         for number, family in meta.closes:
             if number > self._closed_upto:
                 retired += self.cache.close_family(family)
                 self._closed_upto = self.out.closed_upto = number
         self._report_retired(retired)
+
+    def _advance(self, rounds: dict[str, int]) -> list[Any]:
+        """Move each scope's clock forward to ``rounds[scope]``; what that retires."""
+        retired = []
+        for scope, round_ in rounds.items():
+            if round_ > self.cache.index.round_of(scope):
+                retired += self.cache.advance_round(round_, scope)
+        return retired
 
     def _report_retired(self, retired: list[Any]) -> None:
         """Segments the index retired (their masters are deleted): remembered for the reason
