@@ -7,7 +7,7 @@ master; then a family of 8 follow-ups is added at once (each reuses D at ratio 0
 engine is stepped by hand: after every follow-up has its first token, each ``step()`` is one
 decode step of the 8 (greedy, ``ignore_eos``). One KMesh engine with ``kmesh.cascade_decode``
 on serves the family in rounds, each round once in cascade and once with the path paused
-(`kmesh_blend.vllm.cascade_decode.pause`: vLLM's own forward, the same engine and memory), then
+(`CascadeDecode.paused`: vLLM's own forward, the same engine and memory), then
 the same 8 prompts unannotated; a stock vLLM engine serves them unannotated before and after it
 (engines run one after another in this process: vLLM's KV connector is process-global).
 
@@ -44,8 +44,7 @@ from _common import emit, plot_bars, use_allocator
 from follow_up_ttft import smollm2_prompts
 
 from kmesh_blend.testing import SMOLLM2
-from kmesh_blend.testing.engine import kv_transfer_config, make_llm
-from kmesh_blend.vllm.cascade_decode import pause
+from kmesh_blend.testing.engine import kv_transfer_config, live_worker, make_llm
 
 RATIO = 0.15
 
@@ -95,6 +94,12 @@ def main() -> None:
             **common,
         )
         _run(llm, [reader], annotate=True, new_tokens=1)
+        cascade = live_worker().cascade
+        assert cascade is not None, "cascade decode did not install"
+
+        def pause(paused: bool) -> None:
+            cascade.paused = paused
+
         for _ in range(rounds):
             for label, paused in (("on", False), ("off", True)):
                 pause(paused)

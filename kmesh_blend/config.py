@@ -250,15 +250,21 @@ def _parse_host_port(value: str, rest: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _check_ratio(value: object) -> float:
-    key = "kmesh.recompute_ratio"
+def ratio_problem(value: object) -> str | None:
+    """What is wrong with ``value`` as a recompute ratio (a number in [0, 1]), or None. The one
+    rule for the setting, a request's own ratio and `BlendOptions`."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        _fail(key, value, "not a number", _RATIO_VALID)
+        return "not a number"
     if math.isnan(value):
-        _fail(key, value, "NaN", _RATIO_VALID)
-    if not 0.0 <= value <= 1.0:
-        _fail(key, value, "out of range", _RATIO_VALID)
-    return float(value)
+        return "NaN"
+    return None if 0.0 <= value <= 1.0 else "out of range"
+
+
+def _check_ratio(value: object) -> float:
+    problem = ratio_problem(value)
+    if problem is not None:
+        _fail("kmesh.recompute_ratio", value, problem, _RATIO_VALID)
+    return float(value)  # type: ignore[arg-type]
 
 
 def _check_layers(value: object) -> tuple[int, ...]:

@@ -5,13 +5,14 @@ Plain Python/torch (no model, no vLLM): unit-testable in milliseconds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from kmesh_blend.config import Deviation, KMeshConfig, Schedule, Selection
+from kmesh_blend.config import Deviation, KMeshConfig, Schedule, Selection, ratio_problem
 from kmesh_blend.ops import Backend
 
 __all__ = [
@@ -96,7 +97,7 @@ class BlendOptions:
     backend: Backend = "auto"
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.recompute_ratio <= 1.0:
+        if ratio_problem(self.recompute_ratio) is not None:
             raise ValueError(f"recompute_ratio={self.recompute_ratio} must be in [0, 1]")
         if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
             raise ValueError(f"check_layers={self.check_layers} must be non-empty and increasing")
@@ -118,6 +119,12 @@ class BlendOptions:
         }
         fields.update(overrides)
         return cls(**fields)  # type: ignore[arg-type]
+
+    def for_request(self, recompute_ratio: float | None, sink_tokens: int | None) -> BlendOptions:
+        """These options with a request's own ratio and sink tokens (None: keep these)."""
+        changes = {"recompute_ratio": recompute_ratio, "sink_tokens": sink_tokens}
+        given = {name: value for name, value in changes.items() if value is not None}
+        return dataclasses.replace(self, **given) if given else self  # type: ignore[arg-type]
 
     def validate_for(self, num_layers: int) -> None:
         if self.check_layers[-1] >= num_layers:

@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from kmesh_blend.config import ratio_problem
+
 __all__ = [
     "KNOWN_FIELDS",
     "MAX_FAMILY_LEN",
@@ -191,9 +193,7 @@ def parse_annotation(kmesh: object, num_tokens: int, max_model_len: int) -> Anno
     if close and family is None:
         raise AnnotationError("close=true needs the 'family' to close", field="close")
     ratio = kmesh.get("recompute_ratio")
-    if ratio is not None and (
-        isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0
-    ):
+    if ratio is not None and ratio_problem(ratio) is not None:
         raise AnnotationError(
             f"recompute_ratio={ratio!r}; valid: a number in [0, 1]", field="recompute_ratio"
         )

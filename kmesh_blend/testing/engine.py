@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-__all__ = ["kv_transfer_config", "leaked_connector", "make_llm", "prompt_logprobs"]
+if TYPE_CHECKING:
+    from kmesh_blend.vllm.worker_side import WorkerSide
+
+__all__ = [
+    "kv_transfer_config", "leaked_connector", "live_worker", "make_llm", "prompt_logprobs",
+]  # fmt: skip
 
 _ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -66,10 +71,17 @@ def leaked_connector() -> bool:
     it never asked for and fails on its first step. Returns ``False`` when vLLM was never
     imported.
     """
-    import sys
+    from kmesh_blend.vllm.seam.engine import drop_leaked_connector
 
-    state = sys.modules.get("vllm.distributed.kv_transfer.kv_transfer_state")
-    if state is None or not state.has_kv_transfer_group():
-        return False
-    state.ensure_kv_transfer_shutdown()
-    return True
+    return drop_leaked_connector()
+
+
+def live_worker() -> WorkerSide:
+    """The worker side of the in-process engine running in this process (its ``hooks``, its
+    cascade decode path); raises RuntimeError when there is none."""
+    from kmesh_blend.vllm.seam.engine import worker_connector
+
+    worker = getattr(worker_connector(), "worker", None)
+    if worker is None:
+        raise RuntimeError("no in-process engine with a KMeshConnector worker in this process")
+    return cast("WorkerSide", worker)

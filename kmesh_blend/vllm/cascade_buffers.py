@@ -9,14 +9,18 @@ KV dtype in the CPU kernel's tiles (`kmesh_blend.cpu.layout`). Plain torch, no v
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kmesh_blend.attention.decode import MASKED, OwnRows
 from kmesh_blend.cpu.layout import pair_values, tile_keys
+from kmesh_blend.models.rope import RotaryEmbedding
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout
+
+if TYPE_CHECKING:
+    from kmesh_blend.vllm.seam.cpu_attention import StepBatch
 
 __all__ = ["HEADROOM", "Composition", "Layer", "Sources", "compose", "grown"]
 
@@ -30,7 +34,7 @@ class Sources(NamedTuple):
     masters: dict[str, SharedMaster]
     caches: list[torch.Tensor]
     layout: PagedLayout
-    rope: Any
+    rope: RotaryEmbedding
 
 
 class Layer(NamedTuple):
@@ -61,7 +65,7 @@ class Composition(NamedTuple):
 
 
 def compose(
-    meta: Any,
+    batch: StepBatch,
     chosen: list[tuple[int, DecodePlan]],
     generated: list[int],
     last: Composition | None,
@@ -107,7 +111,7 @@ def compose(
         parts = [torch.full((n, width), MASKED)]
         for r, ((i, plan), own) in enumerate(zip(chosen, prompt, strict=True)):
             pos = torch.arange(plan.num_tokens, plan.num_tokens + generated[r])
-            blocks = meta.block_table[i].to(torch.int64)[pos // block_size]
+            blocks = batch.block_table[i].to(torch.int64)[pos // block_size]
             slots = torch.cat((own, blocks * block_size + pos % block_size))
             rk, rv = src.layout.read(cache, slots.to(cache.device))
             k_t[r, :, :, : slots.numel()] = rk.cpu().to(own_dtype).permute(1, 2, 0)

@@ -2,7 +2,8 @@
 
 Switched on by ``kmesh.cascade_decode``. The worker gives each attention layer of this engine a
 subclass of its backend implementation (`kmesh_blend.vllm.cascade_install`: vLLM's CPU backend,
-no file patched, no global registry entry) whose ``forward`` asks `CascadeDecode.forward`. Per
+no file patched, no global registry entry; `kmesh_blend.vllm.seam.cpu_attention.route`) whose
+``forward`` asks `CascadeDecode.forward`. Per
 step — the same attention metadata object serves every layer, so the step is planned once — the
 batch's requests are matched to decode plans (`kmesh_blend.vllm.decode_plan`) by request id (the
 runner's batch order) *and* by their block-table rows. Requests decoding one token whose plan is
@@ -13,75 +14,53 @@ every step). Two implementations of the same math: the CPU kernel
 (`kmesh_blend.cpu.cascade_decode_op`: one call per layer, K/V in the cache dtype, tiled by
 `kmesh_blend.cpu.layout`) when it is built and the shapes allow, else plain torch
 (`kmesh_blend.attention.decode.decode_cascade`, fp32 copies). Every other request of the
-step runs on vLLM's own kernel as a sub-batch (`kmesh_blend.vllm.paged_attention.sub_batch`); a
+step runs on vLLM's own kernel as a sub-batch (`seam.cpu_attention.sub_batch`); a
 step with no cascade request, or whose metadata is anything but plain causal attention, runs
 vLLM's forward unchanged. An exception inside the path hands every later step to vLLM's forward.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import traceback
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
-from kmesh_blend.attention.decode import (
-    MasterRows,
-    decode_cascade,
-)
+from kmesh_blend.models.rope import RotaryEmbedding
+from kmesh_blend.vllm.cascade_attend import Heads, Kernel, Step, attend_kernel, attend_torch
 from kmesh_blend.vllm.cascade_buffers import Composition, Sources, compose
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout
-from kmesh_blend.vllm.paged_attention import KernelBatch, run_kernel, sub_batch
+from kmesh_blend.vllm.seam.cpu_attention import attn_scale, run_kernel, sub_batch
 
-__all__ = ["CascadeDecode", "Heads", "MasterUse", "pause"]
+if TYPE_CHECKING:
+    from kmesh_blend.vllm.seam.cpu_attention import AttnLayer, StepBatch, Stock
+
+__all__ = ["CascadeDecode", "Heads", "Kernel", "MasterUse"]
 
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 ReqIds = Callable[[int], "list[str] | None"]
-Kernel = Callable[..., Any]  # torch.ops.kmesh_cpu.cascade_decode (see kmesh_blend/cpu)
+Fields = dict[str, "int | str | None"]  # report fields of one request
 
-_paused = False
 _PREEMPTED = "preempted: {}; later steps on vLLM's kernel"
-
-
-def pause(paused: bool) -> None:
-    """Let every step of this process run vLLM's forward (True) or the cascade again (False);
-    plans stay. For benchmarks that compare both in one engine."""
-    global _paused
-    _paused = paused
-
-
-class Heads(NamedTuple):
-    """Attention heads of this rank: query heads, KV heads, head size."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-
-class _Step(NamedTuple):
-    tokens: torch.Tensor  # [n] int64 query rows of the cascade requests
-    composition: Composition
-    generated: torch.Tensor  # [n] int64: generated rows before this step's token
-    others: tuple[torch.Tensor, KernelBatch] | None
-    rows: torch.Tensor  # [n] int64: 0..n-1
 
 
 class CascadeDecode:
     """``layers``: vLLM's attention layers in model order; ``caches``: their KV cache tensors;
     ``rope``: the model's `RotaryEmbedding`; ``req_ids(n)``: the ids of the batch's first n
-    requests in the order of the attention metadata (None when unknown: no cascade)."""
+    requests in the order of the attention metadata (None when unknown: no cascade).
+    ``paused``: every step runs vLLM's forward while set, plans stay (benchmarks compare both
+    in one engine)."""
 
     def __init__(
         self,
-        layers: list[Any],
+        layers: list[AttnLayer],
         caches: list[torch.Tensor],
         layout: PagedLayout,
-        rope: Any,
+        rope: RotaryEmbedding,
         heads: Heads,
         req_ids: ReqIds,
         kernel: Kernel | None = None,
@@ -90,27 +69,30 @@ class CascadeDecode:
         self.kernel = kernel
         # the kernel holds n · H/Hkv query rows of a master in registers' reach: at most 64
         self.limit = 64 * heads.num_kv_heads // heads.num_heads if kernel is not None else 1 << 30
+        self.heads = heads
         self.num_heads, self.num_kv_heads, self.head_dim = heads
         self.req_ids = req_ids
         self.plans: dict[str, DecodePlan] = {}
         self.masters: dict[str, SharedMaster] = {}
-        self.reports: dict[str, dict[str, Any]] = {}  # req_id → report fields, taken per step
-        self._meta: tuple[Any, int] | None = None  # what the cached step was built for
-        self._step: _Step | None = None
+        self.reports: dict[str, Fields] = {}  # req_id → report fields, taken per step
+        self.paused = False
+        self._meta: tuple[object, int] | None = None  # what the cached step was built for
+        self._step: Step | None = None
         self._composition: Composition | None = None
         self.broken: str | None = None  # set by an error inside the path: vLLM's forward only
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     def add(
-        self, req_id: str, block_ids: list[int], num_tokens: int, uses: list[MasterUse]
+        self, req_id: str, block_ids: list[int], slots: torch.Tensor, uses: list[MasterUse]
     ) -> None:
-        """A request blended this step; its plan is armed at its first decode step."""
+        """A request blended this step (``slots`` [T] int64: its T prompt tokens' slots); its
+        plan is armed at its first decode step."""
         self.drop(req_id)
         if self.broken is not None:
             self.reports[req_id] = {"cascade_off": f"cascade decode failed: {self.broken}"}
         elif uses:
-            self.plans[req_id] = DecodePlan(req_id, list(block_ids), num_tokens, uses)
+            self.plans[req_id] = DecodePlan(req_id, list(block_ids), slots, uses)
             self.reports[req_id] = {"cascade_steps": 0}
 
     def drop(self, req_id: str, reason: str | None = None) -> None:
@@ -129,7 +111,7 @@ class CascadeDecode:
                         del self.masters[use.key]
         self._composition = None
 
-    def take_reports(self) -> dict[str, dict[str, Any]]:
+    def take_reports(self) -> dict[str, Fields]:
         out, self.reports = self.reports, {}
         return out
 
@@ -138,30 +120,30 @@ class CascadeDecode:
     def forward(
         self,
         index: int,
-        stock: Callable[..., torch.Tensor],
-        layer: Any,
+        stock: Stock,
+        layer: AttnLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: Any,
+        batch: StepBatch,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        """Attention of layer ``index``; ``stock`` is vLLM's own forward of the same impl."""
+        """Attention of layer ``index``; ``stock()`` runs vLLM's own forward of this call."""
         # The same metadata object serves every layer of a step; its total length grows every
         # step, so a backend that reused the object would still be noticed.
-        stamp = (meta, int(meta.seq_lens.sum()))
+        stamp = (batch.key, int(batch.seq_lens.sum()))
         if self._meta is None or stamp[0] is not self._meta[0] or stamp[1] != self._meta[1]:
             self._meta, self._step = stamp, None
-            if self.plans and self.broken is None and not _paused:
+            if self.plans and self.broken is None and not self.paused:
                 try:
-                    self._step = self._build(meta, layer, query.dtype)
+                    self._step = self._build(batch, layer, query.dtype)
                 except Exception as exc:
                     self._break(exc)
         step = self._step
         if step is None:
-            return stock(layer, query, key, value, kv_cache, meta, output)
-        num = meta.num_actual_tokens
+            return stock()
+        num = batch.num_tokens
         out = output[:num].view(num, self.num_heads, self.head_dim)
         try:
             if self.kernel is not None:
@@ -170,77 +152,26 @@ class CascadeDecode:
                 out[step.tokens] = self._attend(index, step, layer, query, key, value).to(out.dtype)
             others = None
             if step.others is not None:
-                tokens, batch = step.others
-                others = run_kernel(layer, kv_cache, query[tokens], batch)
+                rows, kernel_batch = step.others
+                others = run_kernel(layer, kv_cache, query[rows], kernel_batch)
         except Exception as exc:  # never serve doubtful KV: this and later steps run stock
             self._break(exc)
             self._step = None
-            return stock(layer, query, key, value, kv_cache, meta, output)
+            return stock()
         if others is not None and step.others is not None:
             out[step.others[0]] = others
         return output
 
-    def _run_kernel(
-        self,
-        index: int,
-        step: _Step,
-        layer: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """The CPU kernel: appends this step's K/V, attends, writes ``out`` rows, in one call."""
-        buffers = step.composition.layers[index]
-        own_k, own_v = buffers.own
-        width = own_k.shape[2] * 16
-        composition, cols = step.composition, buffers.first_free + step.generated
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        masters, starts = composition.masters, [width]
-        for m, _ in masters:
-            starts.append(starts[-1] + m.size)
+    def _run_kernel(self, index: int, step: Step, layer: AttnLayer, query: torch.Tensor,
+                    key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
         assert self.kernel is not None
-        self.kernel(
-            out,
-            step.tokens,
-            query.view(-1, heads, dim),
-            key.view(-1, kv_heads, dim),
-            value.view(-1, kv_heads, dim),
-            own_k,
-            own_v,
-            buffers.bias[:, :width],
-            cols,
-            [m.k_t[index] for m, _ in masters],
-            [m.v[index] for m, _ in masters],
-            [buffers.bias[:, a:b] for a, b in itertools.pairwise(starts)],
-            composition.rotations,
-            float(layer.impl.scale),
-        )
+        attend_kernel(self.kernel, index, step, query, key, value, out, self.heads,
+                      attn_scale(layer))  # fmt: skip
 
-    def _attend(
-        self,
-        index: int,
-        step: _Step,
-        layer: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-    ) -> torch.Tensor:
-        """This step's token of every cascade request joins its own rows, then attends."""
-        buffers = step.composition.layers[index]
-        rows = step.rows
-        cols = buffers.first_free + step.generated
-        shape = (rows.numel(), self.num_kv_heads, self.head_dim)
-        buffers.own.k_t[rows, :, :, cols] = key[step.tokens].reshape(shape).float()
-        buffers.own.v[rows, :, cols] = value[step.tokens].reshape(shape).float()
-        buffers.bias[rows, cols] = 0.0
-        query_f32 = query[step.tokens].float()
-        masters = [
-            # The same −Δ tensor every layer: the rotary tables are memoized for it.
-            MasterRows(m.k_t[index], m.v[index], self.rope.apply(query_f32, back))
-            for m, back in step.composition.masters
-        ]
-        return decode_cascade(query_f32, buffers.own, masters, buffers.bias, layer.impl.scale)
+    def _attend(self, index: int, step: Step, layer: AttnLayer, query: torch.Tensor,
+                key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        return attend_torch(index, step, query, key, value, self.heads, self.rope,
+                            attn_scale(layer))  # fmt: skip
 
     def _break(self, exc: Exception) -> None:
         self.broken = f"{type(exc).__name__}: {exc}"
@@ -254,21 +185,19 @@ class CascadeDecode:
 
     # --- per-step plan --------------------------------------------------------------------------
 
-    def _build(self, meta: Any, layer: Any, dtype: torch.dtype) -> _Step | None:
-        if getattr(meta, "dynamic_causal", None) is not None or not getattr(meta, "causal", False):
-            return None
-        num_reqs = int(meta.seq_lens.numel())
+    def _build(self, batch: StepBatch, layer: AttnLayer, dtype: torch.dtype) -> Step | None:
+        num_reqs = int(batch.seq_lens.numel())
         ids = self.req_ids(num_reqs)
         if ids is None or len(ids) < num_reqs:
             return None
-        starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
+        starts = batch.query_start_loc.tolist()
+        seq_lens = batch.seq_lens.tolist()
         chosen: list[tuple[int, DecodePlan]] = []
         for i, req_id in enumerate(ids[:num_reqs]):
             plan = self.plans.get(req_id)
             if plan is None:
                 continue
-            if not plan.holds(meta.block_table[i]):
+            if not plan.holds(batch.block_table[i]):
                 self.drop(req_id, _PREEMPTED.format("its blocks changed"))
                 continue
             decoding = starts[i + 1] - starts[i] == 1 and seq_lens[i] > plan.num_tokens
@@ -305,22 +234,22 @@ class CascadeDecode:
             )
         rows = [i for i, _ in chosen]
         generated = [seq_lens[i] - 1 - plan.num_tokens for i, plan in chosen]
-        composition = self._compose(meta, chosen, generated)
+        composition = self._compose(batch, chosen, generated)
         self._composition = composition._replace(filled=[g + 1 for g in generated])
         others = sorted(set(range(num_reqs)) - set(rows))
-        return _Step(
+        return Step(
             torch.tensor([starts[i] for i in rows], dtype=torch.int64),
             self._composition,
             torch.tensor(generated, dtype=torch.int64),
-            sub_batch(meta, layer, dtype, others, starts) if others else None,
+            sub_batch(batch, layer, dtype, others, starts) if others else None,
             torch.arange(len(rows)),
         )
 
     def _compose(
-        self, meta: Any, chosen: list[tuple[int, DecodePlan]], generated: list[int]
+        self, batch: StepBatch, chosen: list[tuple[int, DecodePlan]], generated: list[int]
     ) -> Composition:
         return compose(
-            meta,
+            batch,
             chosen,
             generated,
             self._composition,

@@ -2,35 +2,45 @@
 
 `install` checks `CascadeDecode` against vLLM's own kernel on scratch blocks (two requests
 reading one master at different offsets, rows replaced, a third request prefilling beside them)
-and, if they agree, gives each attention layer's ``impl`` a subclass of its own class whose
-``forward`` goes through the cascade path. Only this engine's layers change; vLLM's backend
-registry and files are untouched. Anything unsupported (not vLLM's CPU backend, sliding window,
+and, if they agree, routes each attention layer's forward through the cascade path
+(`seam.cpu_attention.route`: only this engine's layers change; vLLM's backend registry and files
+are untouched). Anything unsupported (not vLLM's CPU backend, sliding window,
 ALiBi, soft-capping, attention sinks, quantized KV) leaves the stock forward in place and says why.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from kmesh_blend.models.rope import RotaryEmbedding
+from kmesh_blend.segments.master import Master
 from kmesh_blend.vllm.cascade_decode import CascadeDecode, Heads, Kernel, MasterUse, ReqIds
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
-from kmesh_blend.vllm.paged_attention import kernel_batch
+from kmesh_blend.vllm.seam.cpu_attention import (
+    route,
+    scratch_batch,
+    step_batch,
+    stock_forward,
+    unsupported,
+    write_kv,
+)
+
+if TYPE_CHECKING:
+    from kmesh_blend.vllm.seam.cpu_attention import AttnLayer
 
 __all__ = ["install"]
 
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
-_subclasses: dict[type, type] = {}
-
 
 def install(
-    layers: list[Any],
+    layers: list[AttnLayer],
     caches: list[torch.Tensor],
     layout: PagedLayout,
-    rope: Any,
+    rope: RotaryEmbedding,
     heads: Heads,
     req_ids: ReqIds,
 ) -> tuple[CascadeDecode | None, str | None]:
@@ -53,8 +63,7 @@ def install(
         log.warning("kmesh: cascade decode stays off: %s", problem)
         return None, problem
     decode = CascadeDecode(layers, caches, layout, rope, heads, req_ids, kernel)
-    for index, layer in enumerate(layers):
-        _attach(layer.impl, decode, index)
+    route(layers, decode)
     log.info(
         "kmesh: cascade decode on for %d attention layers (%s, self-check passed)",
         len(layers),
@@ -76,69 +85,17 @@ def _kernel_for(dtype: torch.dtype, heads: Heads) -> tuple[Kernel | None, str | 
     return cascade_decode_op()
 
 
-def _attach(impl: Any, decode: CascadeDecode, index: int) -> None:
-    base = type(impl)
-    if getattr(base, "_kmesh_cascade", False):
-        base = base.__mro__[1]
-    cls = _subclasses.get(base)
-    if cls is None:
-
-        def forward(
-            self: Any,
-            layer: Any,
-            query: torch.Tensor,
-            key: torch.Tensor,
-            value: torch.Tensor,
-            kv_cache: torch.Tensor,
-            attn_metadata: Any,
-            output: torch.Tensor,
-            output_scale: Any = None,
-            output_block_scale: Any = None,
-        ) -> torch.Tensor:
-            stock = super(cls, self).forward  # type: ignore[arg-type]
-            route = getattr(self, "_kmesh_route", None)
-            if route is None or attn_metadata is None or output_scale is not None:
-                return stock(
-                    layer,
-                    query,
-                    key,
-                    value,
-                    kv_cache,
-                    attn_metadata,
-                    output,
-                    output_scale,
-                    output_block_scale,
-                )
-            return route[0].forward(
-                route[1], stock, layer, query, key, value, kv_cache, attn_metadata, output
-            )
-
-        cls = type(
-            f"KMeshCascade{base.__name__}", (base,), {"forward": forward, "_kmesh_cascade": True}
-        )
-        _subclasses[base] = cls
-    impl._kmesh_route = (decode, index)
-    impl.__class__ = cls
-
-
-def _unsupported(layer: Any, layout: PagedLayout) -> str | None:
-    impl: Any = getattr(layer, "impl", None)
-    if type(impl).__name__.removeprefix("KMeshCascade") != "CPUAttentionBackendImpl":
-        return f"attention backend {type(impl).__name__} (only vLLM's CPU backend is wired)"
+def _unsupported(layer: AttnLayer, layout: PagedLayout) -> str | None:
     if layout.name not in ("cpu_rows", "cpu_k_transposed"):
         return f"paged layout {layout.name}"
-    if impl.sliding_window != -1 or impl.alibi_slopes is not None or impl.logits_soft_cap:
-        return "sliding window, ALiBi or soft-capping"
-    if impl.sinks is not None or impl.is_fp8_kv_cache:
-        return "attention sinks or a quantized KV cache"
-    return None
+    return unsupported(layer)
 
 
 def _self_check(
-    layer: Any,
+    layer: AttnLayer,
     cache: torch.Tensor,
     layout: PagedLayout,
-    rope: Any,
+    rope: RotaryEmbedding,
     heads: Heads,
     kernel: Kernel | None,
 ) -> str | None:
@@ -152,21 +109,14 @@ def _self_check(
     return None if err <= tol else f"self-check differs from vLLM's kernel by {err:.2e} (> {tol})"
 
 
-class _Master:
-    def __init__(self, kv: torch.Tensor, positions: torch.Tensor) -> None:
-        self.kv, self.positions = kv, positions
-
-
 def _scratch_run(
-    layer: Any,
+    layer: AttnLayer,
     cache: torch.Tensor,
     layout: PagedLayout,
-    rope: Any,
+    rope: RotaryEmbedding,
     heads: Heads,
     kernel: Kernel | None,
 ) -> tuple[torch.Tensor, ...]:
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
-
     bs, dtype = layout.block_size, cache.dtype
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(0)
@@ -177,7 +127,7 @@ def _scratch_run(
     size, first = bs + 5, 2
     master_k = rope.apply(rand(size, num_kv_heads, head_dim), torch.arange(first, first + size))
     master_v = rand(size, num_kv_heads, head_dim)
-    master = _Master(
+    master = Master(
         torch.stack((master_k, master_v))[None].to(dtype), torch.arange(first, first + size)
     )
     # (offset, prompt length, generated) per request; the third prefills 4 tokens meanwhile.
@@ -195,7 +145,7 @@ def _scratch_run(
             k[offset : offset + size][keep] = rope.apply(master_k.to(dtype).float(), delta)[keep]
             v[offset : offset + size][keep] = master_v.to(dtype).float()[keep]
         slots = slot_mapping(blocks[r], bs, 0, total)
-        layer.impl.do_kv_cache_update(layer, k.to(dtype), v.to(dtype), scratch, slots)
+        write_kv(layer, k.to(dtype), v.to(dtype), scratch, slots)
         now = 1 if r < 2 else 4
         keys.append(k[total - now :].to(dtype))
         values.append(v[total - now :].to(dtype))
@@ -204,33 +154,20 @@ def _scratch_run(
     table = torch.tensor([b + [0] * (4 - len(b)) for b in blocks], dtype=torch.int32)
     query = rope.apply(rand(6, num_heads, head_dim), torch.tensor([25, 26, 27, 28, 29, 30]))
     query = query.to(dtype)
-    schedule = kernel_batch(layer, query_start_loc, seq_lens, table, dtype).metadata
-    meta = CPUAttentionMetadata(
-        num_actual_tokens=6,
-        max_query_len=4,
-        query_start_loc=query_start_loc,
-        max_seq_len=int(seq_lens.max()),
-        seq_lens=seq_lens,
-        block_table=table,
-        slot_mapping=torch.zeros(6, dtype=torch.int64),
-        scheduler_metadata=schedule,
-    )
-    cls: Any = type(layer.impl)
-    stock = cls.__mro__[1].forward if getattr(cls, "_kmesh_cascade", False) else cls.forward
-
-    def stock_forward(*args: Any) -> torch.Tensor:
-        return stock(layer.impl, *args)
-
+    meta = scratch_batch(layer, query_start_loc, seq_lens, table, dtype)
+    stock = stock_forward(layer)
     key, value = torch.cat(keys), torch.cat(values)
-    want = stock_forward(layer, query, key, value, scratch, meta, torch.zeros_like(query))
+    want = stock(query, key, value, scratch, meta, torch.zeros_like(query))
+    batch = step_batch(meta)
+    assert batch is not None
     decode = CascadeDecode(
         [layer], [scratch], layout, rope, heads, lambda n: ["a", "b", "c"][:n], kernel
     )
     for name, (offset, prompt, _), ids in zip("ab", shapes, blocks, strict=False):
-        decode.add(name, ids, prompt, [MasterUse("m", offset, offset + size, master)])
-    got = decode.forward(
-        0, stock_forward, layer, query, key, value, scratch, meta, torch.zeros_like(query)
-    )
-    if decode.reports.get("a", {}).get("cascade_steps") != 1:
+        slots = slot_mapping(ids, bs, 0, prompt)
+        decode.add(name, ids, slots, [MasterUse("m", offset, offset + size, master)])
+    got = decode.forward(0, lambda: want, layer, query, key, value, scratch, batch,
+                         torch.zeros_like(query))  # fmt: skip
+    if decode.broken is not None or decode.reports.get("a", {}).get("cascade_steps") != 1:
         raise RuntimeError(f"the scratch requests did not decode in cascade: {decode.reports}")
     return got, want

@@ -10,6 +10,9 @@ vLLM builds one instance per role. The scheduler-side instance delegates to `Sch
 master storage). All loads are synchronous: the blended KV is in the paged cache before the
 forward that computes each request's last prompt token.
 
+vLLM's internals (the loaded model, attention layers, block hashes, scheduler output fields) are
+reached only through `kmesh_blend.vllm.seam`.
+
 Failed loads: the connector sets ``kv_load_failure_policy = "recompute"``, so a request whose
 reuse fails (unreadable or corrupt master, unknown layout, blend error) is recomputed by vLLM
 from scratch while its siblings keep their reuse.
@@ -24,9 +27,9 @@ prefix caching on and says why.
 from __future__ import annotations
 
 import logging
-import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -39,18 +42,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kmesh_blend.config import KMeshConfig
 from kmesh_blend.segments.fingerprint import weights_fingerprint
-from kmesh_blend.segments.identity import make_namespace
+from kmesh_blend.segments.identity import Namespace, SegmentId, make_namespace
 from kmesh_blend.vllm.meta import KMeshMetadata
-from kmesh_blend.vllm.prefix_cache import Privatizer, check_prefix_caching
+from kmesh_blend.vllm.prefix_cache import Privatizer
 from kmesh_blend.vllm.prom import KMeshPromMetrics, KMeshStats
 from kmesh_blend.vllm.scheduler_side import SchedulerSide
+from kmesh_blend.vllm.seam import log_report
+from kmesh_blend.vllm.seam.blocks import check_prefix_caching, hash_block_size, step_requests
+from kmesh_blend.vllm.seam.engine import attention_layers, recompute_failed_loads, tp_shard
+from kmesh_blend.vllm.seam.runners import batch_order, loaded_model
+from kmesh_blend.vllm.stats import Payload
 from kmesh_blend.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 __all__ = ["KMeshConnector"]
 
@@ -59,16 +71,14 @@ log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 class KMeshConnector(KVConnectorBase_V1):
     def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.config = KMeshConfig.from_extra_config(extra)
-        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
-            # A reuse that cannot be served is an optimization lost, never a failed request. The
-            # scheduler reads this field right after building its connector.
+        if recompute_failed_loads(self._kv_transfer_config):
+            # A reuse that cannot be served is an optimization lost, never a failed request.
             log.info("kmesh: kv_load_failure_policy set to 'recompute' (failed reuse recomputes)")
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         model_config = vllm_config.model_config
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
@@ -81,43 +91,44 @@ class KMeshConnector(KVConnectorBase_V1):
                 privatizer=_privatizer(vllm_config, kv_cache_config),
             )
         else:
-            from kmesh_blend.vllm.plugin import loaded_model, loaded_runner
-
             self.worker = WorkerSide(
                 self.config,
                 loaded_model(vllm_config),
                 model_config.hf_config,
-                model_config.dtype,
+                cast(torch.dtype, model_config.dtype),  # resolved by vLLM's config
                 vllm_config.cache_config.block_size,
-                vllm_config.compilation_config.static_forward_context,
-                _tp_shard(vllm_config),
-                _batch_order(loaded_runner(vllm_config)),
+                attention_layers(vllm_config),
+                tp_shard(vllm_config),
+                batch_order(vllm_config),
             )
         log.info("kmesh: %s side ready (%s)", role.name.lower(), self.config)
+        log_report()
 
     # --- scheduler side -------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         assert self.scheduler is not None
         return self.scheduler.num_matched(request, num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:  # fmt: skip
         assert self.scheduler is not None
-        self.scheduler.after_alloc(request, blocks, num_external_tokens)
+        self.scheduler.after_alloc(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_meta(scheduler_output)
+        return self.scheduler.build_meta(step_requests(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         self.scheduler.on_worker_output(connector_output.kv_connector_worker_meta)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict | None]:  # fmt: skip
         assert self.scheduler is not None
-        return False, self.scheduler.finished(request)
+        return False, self.scheduler.finished(request.request_id)
 
     # --- worker side ----------------------------------------------------------------------------
 
@@ -125,7 +136,7 @@ class KMeshConnector(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: object) -> None:
         meta = self._get_connector_metadata()
         if self.worker is None or not isinstance(meta, KMeshMetadata):
             return
@@ -135,8 +146,8 @@ class KMeshConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are complete when start_load_kv returns
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:  # fmt: skip
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: object) -> None:  # fmt: skip
         return  # masters are read from the paged cache in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -167,14 +178,16 @@ class KMeshConnector(KVConnectorBase_V1):
         return KMeshStats(data) if data else None
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
-        data = data or {}
-        return KMeshStats({"counters": dict(data.get("counters", {})),
-                           "gauges": dict(data.get("gauges", {}))})  # fmt: skip
+    def build_kv_connector_stats(cls, data: dict[str, object] | None = None) -> KVConnectorStats:
+        payload = cast(Payload, data or {})
+        return KMeshStats({"counters": dict(payload.get("counters", {})),
+                           "gauges": dict(payload.get("gauges", {})),
+                           "info": dict(payload.get("info", {}))})  # fmt: skip
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> Any:  # fmt: skip
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KMeshPromMetrics:  # fmt: skip
         return KMeshPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
@@ -182,7 +195,7 @@ class KMeshConnector(KVConnectorBase_V1):
             self.worker.close()
 
 
-def _namespace(vllm_config: VllmConfig) -> Any:
+def _namespace(vllm_config: VllmConfig) -> Namespace:
     mc = vllm_config.model_config
     hf = mc.hf_config
     rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
@@ -201,53 +214,27 @@ def _namespace(vllm_config: VllmConfig) -> Any:
     )
 
 
-def _privatizer(vllm_config: VllmConfig, kv_cache_config: Any) -> Privatizer | None:
+def _privatizer(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Privatizer | None:
     """With prefix caching on: the checked mechanism that keeps blended blocks out of exact
     prefix hits (refuses to start, naming the reason, when the check fails); else None."""
     cache_config = vllm_config.cache_config
     if not cache_config.enable_prefix_caching:
         return None
-    problem = check_prefix_caching(vllm_config, kv_cache_config)
+    privatizer = Privatizer(hash_block_size(vllm_config, kv_cache_config))
+    problem = check_prefix_caching(
+        vllm_config, kv_cache_config, Privatizer(privatizer.hash_block_size).privatize
+    )
     if problem is not None:
         raise ValueError(
             f"KMeshConnector: blended KV must never be served as exact prefix KV, and the check "
             f"of how this vLLM caches blocks failed ({problem}); start vLLM with prefix caching "
             "off (enable_prefix_caching=False, --no-enable-prefix-caching)"
         )
-    hash_block = getattr(kv_cache_config, "hash_block_size", None) or cache_config.block_size
     log.info("kmesh: prefix caching on; blended blocks get private hashes (check passed)")
-    return Privatizer(int(hash_block))
+    return privatizer
 
 
-def _batch_order(runner: Any) -> Any:
-    """``ids(n)``: the step's first n request ids in the order of its attention metadata (the
-    runner's input batch), None when unreadable; or None without a runner. Holds the runner
-    weakly (the runner reaches this connector)."""
-    if runner is None:
-        return None
-    ref = weakref.ref(runner)
-
-    def ids(num_reqs: int) -> list[str] | None:
-        batch = getattr(ref(), "input_batch", None)
-        got = getattr(batch, "req_ids", None)
-        if not isinstance(got, list) or len(got) < num_reqs:
-            return None
-        return list(got[:num_reqs])
-
-    return ids
-
-
-def _tp_shard(vllm_config: VllmConfig) -> tuple[int, int]:
-    """(rank, world size) of this worker in tensor parallelism."""
-    world = vllm_config.parallel_config.tensor_parallel_size
-    if world == 1:
-        return 0, 1
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    return get_tensor_model_parallel_rank(), world
-
-
-def _local_weights(model_config: Any) -> str:
+def _local_weights(model_config: ModelConfig) -> str:
     """The local directory of the served weights (a hub id resolved in the local HF cache)."""
     path = str(model_config.model)
     if Path(path).exists():
@@ -260,7 +247,9 @@ def _local_weights(model_config: Any) -> str:
         return path
 
 
-def _shared_store_lookup(config: KMeshConfig, vllm_config: VllmConfig) -> Any:
+def _shared_store_lookup(
+    config: KMeshConfig, vllm_config: VllmConfig
+) -> Callable[[SegmentId], bool] | None:
     """``contains(segment_id)`` for stores other engines can write (lm://, redis://), else None."""
     if config.store_spec.kind not in ("lm", "redis"):
         return None

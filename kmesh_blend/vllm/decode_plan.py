@@ -12,12 +12,13 @@ request's unique level. A doubtful row therefore costs bandwidth, never correctn
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from kmesh_blend.cpu.layout import pair_values, tile_keys
-from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
+from kmesh_blend.models.rope import RotaryEmbedding
+from kmesh_blend.segments.master import Master
+from kmesh_blend.vllm.paged import PagedLayout
 
 __all__ = ["DecodePlan", "MasterUse", "SharedMaster"]
 
@@ -30,7 +31,7 @@ class MasterUse:
     key: str
     start: int
     end: int
-    master: Any
+    master: Master
 
 
 @dataclass
@@ -51,7 +52,7 @@ class SharedMaster:
     users: int = 0
 
     @classmethod
-    def of(cls, master: Any, dtype: torch.dtype, tiled: bool = False) -> SharedMaster:
+    def of(cls, master: Master, dtype: torch.dtype, tiled: bool = False) -> SharedMaster:
         kv = master.kv
         # Through the cache dtype first: the values the paged copies hold.
         k = kv[:, 0].to(dtype).permute(0, 2, 3, 1)
@@ -64,13 +65,13 @@ class SharedMaster:
 
 @dataclass
 class DecodePlan:
-    """One request's cascade decode: its prompt blocks, the masters it reads, and (once armed)
-    per use the [L, S] bool rows read from the master, and per layer the slots [P_l] int64 of
-    its other prompt rows."""
+    """One request's cascade decode: its prompt blocks, the slots [T] int64 of its T prompt
+    tokens, the masters it reads, and (once armed) per use the [L, S] bool rows read from the
+    master, and per layer the slots [P_l] int64 of its other prompt rows."""
 
     req_id: str
     block_ids: list[int]
-    num_tokens: int
+    slots: torch.Tensor
     uses: list[MasterUse]
     armed: bool = False
     steps: int = 0
@@ -80,15 +81,17 @@ class DecodePlan:
 
     def __post_init__(self) -> None:
         self.blocks = torch.tensor(self.block_ids, dtype=torch.int64)
+        self.num_tokens = int(self.slots.numel())
 
     def holds(self, block_row: torch.Tensor) -> bool:
         """Whether a batch's block-table row [max_blocks] starts with this request's blocks."""
         n = self.blocks.numel()
         return block_row.numel() >= n and torch.equal(block_row[:n].to(torch.int64), self.blocks)
 
-    def arm(self, layout: PagedLayout, caches: list[torch.Tensor], rope: Any) -> str | None:
+    def arm(
+        self, layout: PagedLayout, caches: list[torch.Tensor], rope: RotaryEmbedding
+    ) -> str | None:
         """Verify the paged rows against the masters; None when armed, else why not."""
-        block_size = layout.block_size
         num_layers = len(caches)
         reads = torch.zeros(num_layers, self.num_tokens, dtype=torch.bool)
         self.shared = []
@@ -97,7 +100,7 @@ class DecodePlan:
             size = use.end - use.start
             if kv.shape[0] != num_layers or kv.shape[2] != size:
                 return f"master {use.key[:16]} has shape {tuple(kv.shape)}"
-            slots = slot_mapping(self.block_ids, block_size, use.start, use.end)
+            slots = self.slots[use.start : use.end]
             delta = torch.full((size,), use.start - int(use.master.positions[0]))
             rows = torch.zeros(num_layers, size, dtype=torch.bool)
             for layer, cache in enumerate(caches):
@@ -113,8 +116,7 @@ class DecodePlan:
             self.shared.append(rows)
         if not bool(reads.any()):
             return "no prompt row equals its master (every reused row was replaced)"
-        own = slot_mapping(self.block_ids, block_size, 0, self.num_tokens)
-        self.own_slots = [own[~reads[layer]] for layer in range(num_layers)]
+        self.own_slots = [self.slots[~reads[layer]] for layer in range(num_layers)]
         self.shared_rows = round(int(reads.sum()) / num_layers)
         self.armed = True
         return None

@@ -8,12 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TypedDict
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
 from kmesh_blend.segments.identity import SegmentId
+from kmesh_blend.vllm.paged import slot_mapping
 
 __all__ = [
     "VLLM_TAIL",
@@ -86,6 +88,14 @@ class LoadRequest:
     family: str | None = None  # the masters it reads are held for this family until it closes
     recompute_ratio: float | None = None  # the request's own setting (None: the engine's)
     sink_tokens: int | None = None  # the request's own setting (None: the engine's)
+    _slots: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def slots(self, block_size: int) -> torch.Tensor:
+        """[T] int64: the paged-cache slot of every prompt token (computed once, then carried
+        to every write, read and plan of this request)."""
+        if self._slots is None:
+            self._slots = slot_mapping(self.block_ids, block_size, 0, len(self.token_ids))
+        return self._slots
 
 
 @dataclass
@@ -99,6 +109,10 @@ class SaveRequest:
     round: int | None = None  # published in this round (retired `round_lifetime` rounds later)
     scope: str = ""  # whose round clock ``round`` counts on (the tenant)
     scope_round: int | None = None  # that clock as the scheduler knows it (the index may not)
+
+    def slots(self, block_size: int, ref: SegmentRef) -> torch.Tensor:
+        """[end − start] int64: the paged-cache slots of segment ``ref``'s tokens."""
+        return slot_mapping(self.block_ids, block_size, ref.start, ref.end)
 
 
 @dataclass

@@ -22,7 +22,8 @@ Layer 0 has no residual yet; its second half is ignored.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 from einops import rearrange
@@ -30,8 +31,14 @@ from einops import rearrange
 from kmesh_blend.models.layerwise import QKV, ModelShape, causal_mask
 from kmesh_blend.models.reference import sdpa_attend
 from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
+from kmesh_blend.vllm.seam.engine import all_reduce, swapped_forwards, tp_world_size
 
-__all__ = ["VllmModel", "check_decomposition"]
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = ["ShapeOnly", "VllmModel", "adapt", "check_decomposition"]
+
+log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 
 class VllmModel:
@@ -39,7 +46,7 @@ class VllmModel:
     ``nn.Module``; its decoder under ``model.model``). Shapes are this rank's: under tensor
     parallelism ``num_heads`` / ``num_kv_heads`` are the local shard's."""
 
-    def __init__(self, model: Any, hf_config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, model: Any, hf_config: PretrainedConfig, dtype: torch.dtype) -> None:
         self.model = model
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_input_ids"):
@@ -71,7 +78,7 @@ class VllmModel:
             dtype=dtype,
         )
         self.scale = float(getattr(attn, "scaling", head_dim**-0.5))
-        self.world_size = _tp_world_size()
+        self.world_size = tp_world_size()
         # Where the engine keeps the model: token ids and positions go there (CPU or CUDA).
         self.device = next(iter(model.parameters())).device
         config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
@@ -136,11 +143,7 @@ class VllmModel:
 
     def combine_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """[n] fp32 summed over the tensor-parallel ranks (each holds some KV heads)."""
-        if self.world_size == 1:
-            return scores
-        from vllm.distributed import tensor_model_parallel_all_reduce
-
-        return tensor_model_parallel_all_reduce(scores.contiguous())
+        return scores if self.world_size == 1 else all_reduce(scores)
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -152,15 +155,6 @@ class VllmModel:
             residual = hidden[:, 0].contiguous()
             return norm(residual.clone()), residual
         return norm(hidden[:, 0].contiguous(), hidden[:, 1].contiguous())
-
-
-def _tp_world_size() -> int:
-    try:
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
-        return int(get_tensor_model_parallel_world_size())
-    except Exception:  # no parallel state (a model built outside an engine): one shard
-        return 1
 
 
 @torch.no_grad()
@@ -189,17 +183,15 @@ def check_decomposition(adapter: VllmModel, num_tokens: int = 12) -> str | None:
 
     attn_modules = [layer.self_attn.attn for layer in adapter.layers]
     try:
-        for module in attn_modules:
-            module.forward = fake_attention
-        hidden = adapter.embed(ids)[:, 0].contiguous()  # own copy: the forward may work in place
-        residual = None
-        for layer in adapter.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        with swapped_forwards(attn_modules, fake_attention):
+            hidden = adapter.embed(ids)[
+                :, 0
+            ].contiguous()  # own copy: the forward may work in place
+            residual = None
+            for layer in adapter.layers:
+                hidden, residual = layer(positions, hidden, residual)
     except Exception as exc:
         return f"the model's own layer forward failed: {type(exc).__name__}: {exc}"
-    finally:
-        for module in attn_modules:
-            module.__dict__.pop("forward", None)
     try:
         state = adapter.embed(ids)
         for layer in range(shape.num_layers):
@@ -216,3 +208,41 @@ def check_decomposition(adapter: VllmModel, num_tokens: int = 12) -> str | None:
     if not (torch.equal(state[:, 0], hidden) and torch.equal(state[:, 1], residual)):
         return "final hidden states differ from the model's forward"
     return None
+
+
+def adapt(model: torch.nn.Module | None, hf_config: PretrainedConfig,
+          dtype: torch.dtype) -> tuple[VllmModel | ShapeOnly, str | None]:  # fmt: skip
+    """(adapter, None) when the blend can run on ``model``; else (a shape-only stand-in, the
+    reason every reuse falls back)."""
+    from kmesh_blend.vllm.version import unsupported_vllm
+
+    reason = unsupported_vllm()
+    if reason is None and model is None:
+        reason = "the loaded model was not reachable (is the kmesh_blend vLLM plugin enabled?)"
+    if reason is None:
+        try:
+            adapter = VllmModel(model, hf_config, dtype)
+        except Exception as exc:
+            reason = f"model not supported: {type(exc).__name__}: {exc}"
+        else:
+            problem = check_decomposition(adapter)
+            if problem is None:
+                log.info("kmesh: blend runs on vLLM's loaded model (layer check passed)")
+                return adapter, None
+            reason = f"model not supported: {problem}"
+    log.warning("kmesh: reuse disabled, every request is served on the stock path: %s", reason)
+    return ShapeOnly(hf_config, dtype), reason
+
+
+class ShapeOnly:
+    """Sizes of a model the blend cannot run on: enough to open the store and report."""
+
+    def __init__(self, hf_config: PretrainedConfig, dtype: torch.dtype) -> None:
+        heads = int(hf_config.num_attention_heads)
+        head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+        self.shape = ModelShape(
+            int(hf_config.num_hidden_layers), heads,
+            int(getattr(hf_config, "num_key_value_heads", None) or heads), head_dim,
+            int(hf_config.hidden_size), int(hf_config.vocab_size), dtype,
+        )  # fmt: skip
+        self.rope = RotaryEmbedding(RopeConfig(head_dim=head_dim))

@@ -2,9 +2,10 @@
 
 A KV cache tensor's in-block layout depends on the attention backend, the dtype and even the CPU
 instruction set (vLLM's CPU backend stores fp32 K transposed within a block). Rather than guess,
-`PagedLayout.discover` lets the backend's own write op (`impl.do_kv_cache_update`) fill a scratch
-cache with random rows and keeps the candidate view that reads exactly those rows back. If none
-does, the layout is unknown and reuse is disabled (one log line) — never a hand-guessed write.
+`PagedLayout.discover` lets the backend's own write op (`seam.cpu_attention.write_kv`) fill a
+scratch cache with random rows and keeps the candidate view that reads exactly those rows back.
+If none does, the layout is unknown and reuse is disabled (one log line) — never a hand-guessed
+write.
 
 Views are ``[block, head, offset, dim]`` (see `kmesh_blend.ops.scatter_paged`).
 """
@@ -14,11 +15,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kmesh_blend.ops import gather_paged, scatter_paged
+from kmesh_blend.vllm.seam.cpu_attention import write_kv
+
+if TYPE_CHECKING:
+    from kmesh_blend.vllm.seam.cpu_attention import AttnLayer
 
 __all__ = ["PagedLayout", "slot_mapping"]
 
@@ -57,14 +62,14 @@ class PagedLayout:
 
     @classmethod
     def discover(
-        cls, attn_layer: Any, cache: torch.Tensor, num_kv_heads: int, head_dim: int, block_size: int
+        cls,
+        attn_layer: AttnLayer,
+        cache: torch.Tensor,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
     ) -> PagedLayout | None:
         """Find the layout the backend of ``attn_layer`` writes into ``cache``; None if unknown."""
-        impl = getattr(attn_layer, "impl", None)
-        update = getattr(impl, "do_kv_cache_update", None)
-        if update is None:
-            log.warning("kmesh: attention backend has no do_kv_cache_update; reuse disabled")
-            return None
         candidates = _candidates(cache.shape, num_kv_heads, head_dim, block_size)
         probe = cache.new_zeros(_with_two_blocks(cache.shape, block_size))
         gen = torch.Generator().manual_seed(0)
@@ -73,10 +78,10 @@ class PagedLayout:
         v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(cache.dtype)
         slots = torch.randperm(2 * block_size, generator=gen)[:n]
         try:
-            update(
+            write_kv(
                 attn_layer, k.to(cache.device), v.to(cache.device), probe, slots.to(cache.device)
             )
-        except Exception as exc:  # the backend refused a scratch tensor: do not guess
+        except Exception as exc:  # no such op, or it refused a scratch tensor: do not guess
             log.warning("kmesh: probing the KV cache layout failed (%s); reuse disabled", str(exc))
             return None
         for name, views in candidates.items():

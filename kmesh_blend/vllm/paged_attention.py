@@ -8,110 +8,54 @@ blocks, and the computed tokens, grouped into runs of consecutive positions, att
 right causal: exactly the causal mask of those queries).
 
 It is used only after a start-up self-check against the reference attention passes; otherwise the
-blend keeps the reference path (one log line). The module owns every call of that kernel:
-`kernel_batch` / `run_kernel`, and `sub_batch` for the cascade decode path's other requests.
+blend keeps the reference path (one log line). The kernel itself is reached through the seam
+(`kmesh_blend.vllm.seam.cpu_attention`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
+from kmesh_blend.vllm.seam.cpu_attention import (
+    KernelBatch,
+    kernel_available,
+    kernel_batch,
+    run_kernel,
+    write_kv,
+)
 
-__all__ = ["KernelBatch", "PagedAttention", "kernel_batch", "run_kernel", "sub_batch"]
+if TYPE_CHECKING:
+    from kmesh_blend.vllm.seam.cpu_attention import AttnLayer
+
+__all__ = ["PagedAttention"]
 
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 Hook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class KernelBatch(NamedTuple):
-    """vLLM kernel inputs for R causal "requests": [R+1] int32 query starts, [R] int32 sequence
-    ends, [R, blocks] int32 block table, and the kernel's schedule (`kernel_batch`)."""
-
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    metadata: Any
-
-
-def kernel_batch(layer: Any, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                 block_table: torch.Tensor, dtype: torch.dtype) -> KernelBatch:  # fmt: skip
-    """The batch with the kernel's schedule for it (it depends on shapes, not on values), built
-    with the settings vLLM's own attention metadata uses, so a request gets vLLM's bits."""
-    from vllm import _custom_ops as ops
-    from vllm import envs
-
-    impl = layer.impl
-    metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=int(seq_lens.numel()), num_heads=impl.num_heads,
-        num_kv_heads=impl.num_kv_heads, head_dim=impl.head_size, seq_lens=seq_lens, dtype=dtype,
-        query_start_loc=query_start_loc, causal=True, sliding_window_size=-1, isa=layer.isa,
-        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
-        kv_cache_dtype=impl.kv_cache_dtype,
-    )  # fmt: skip
-    return KernelBatch(query_start_loc, seq_lens, block_table, metadata)
-
-
-def run_kernel(
-    layer: Any, cache: torch.Tensor, q: torch.Tensor, batch: KernelBatch
-) -> torch.Tensor:
-    """vLLM's CPU attention kernel, causal: q [t, H, D] over ``cache`` (one layer's paged KV)
-    → [t, H, D] in q's dtype."""
-    from vllm import _custom_ops as ops
-
-    impl = layer.impl
-    blocks, kv_heads, block_size, _ = cache.shape
-    key_cache, value_cache = cache.view(blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-    out = torch.empty_like(q)
-    ops.cpu_attention_with_kv_cache(
-        query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out,
-        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, scale=impl.scale,
-        causal=True, alibi_slopes=impl.alibi_slopes, sliding_window=impl.sliding_window,
-        block_table=batch.block_table, softcap=impl.logits_soft_cap,
-        scheduler_metadata=batch.metadata, s_aux=None, dynamic_causal=None,
-        k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-        kv_cache_dtype=impl.kv_cache_dtype,
-    )  # fmt: skip
-    return out
-
-
-def sub_batch(meta: Any, layer: Any, dtype: torch.dtype, rows: list[int],
-              starts: list[int]) -> tuple[torch.Tensor, KernelBatch]:  # fmt: skip
-    """Requests ``rows`` of a step (``meta``: vLLM's CPU attention metadata, causal; ``starts``:
-    its query starts as a list) as a kernel batch of their own, with their query rows [t] int64.
-    The cascade decode path runs the step's other requests this way."""
-    tokens = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows])
-    lens = torch.tensor([starts[i + 1] - starts[i] for i in rows], dtype=torch.int32)
-    query_start_loc = torch.cat((torch.zeros(1, dtype=torch.int32), lens.cumsum(0).int()))
-    index = torch.tensor(rows)
-    batch = kernel_batch(layer, query_start_loc, meta.seq_lens[index].contiguous(),
-                         meta.block_table[index].contiguous(), dtype)  # fmt: skip
-    return tokens, batch
+Reference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class PagedAttention:
-    def __init__(self, layers: list[Any], caches: list[torch.Tensor], layout: PagedLayout,
+    def __init__(self, layers: list[AttnLayer], caches: list[torch.Tensor], layout: PagedLayout,
                  num_heads: int, num_kv_heads: int, head_dim: int) -> None:  # fmt: skip
         self.layers, self.caches, self.layout = layers, caches, layout
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size = layout.block_size
 
     @classmethod
-    def create(cls, layers: list[Any], caches: list[torch.Tensor], layout: PagedLayout,
+    def create(cls, layers: list[AttnLayer], caches: list[torch.Tensor], layout: PagedLayout,
                num_heads: int, num_kv_heads: int, head_dim: int,
-               reference: Any) -> PagedAttention | None:  # fmt: skip
+               reference: Reference) -> PagedAttention | None:  # fmt: skip
         """A checked instance, or None when vLLM's CPU kernel is unavailable or disagrees with
         ``reference`` (a `LayerwiseModel`'s ``attend``) on a scratch input."""
         if layout.name not in ("cpu_k_transposed", "cpu_rows"):
             return None
-        try:
-            from vllm import _custom_ops  # noqa: F401
-        except ImportError:
+        if not kernel_available():
             return None
         self = cls(layers, caches, layout, num_heads, num_kv_heads, head_dim)
         problem = self._self_check(reference)
@@ -122,13 +66,14 @@ class PagedAttention:
         return self
 
     def hook(
-        self, block_ids: list[int], num_tokens: int, caches: list[torch.Tensor] | None = None,
+        self, block_ids: list[int], slots: torch.Tensor, caches: list[torch.Tensor] | None = None,
         first: int = 0,
     ) -> Hook:  # fmt: skip
-        """Attention callback for one request holding ``block_ids`` (all its T prompt tokens).
-        Rows before ``first`` are already in the cache (vLLM's exact prefix): never written."""
+        """Attention callback for one request holding ``block_ids`` (``slots`` [T] int64: its T
+        prompt tokens' slots). Rows before ``first`` are already in the cache (vLLM's exact
+        prefix): never written."""
         caches = caches if caches is not None else self.caches
-        slots = slot_mapping(block_ids, self.block_size, first, num_tokens)
+        slots = slots[first:]
         table = torch.tensor(block_ids, dtype=torch.int32)
 
         runs: list[tuple[torch.Tensor, KernelBatch]] = []  # for the last q_positions tensor
@@ -138,7 +83,7 @@ class PagedAttention:
             cache = caches[layer]
             attn = self.layers[layer]
             # The backend's own vectorized write (the layout read-back was verified against it).
-            attn.impl.do_kv_cache_update(attn, k[first:], v[first:], cache, slots)
+            write_kv(attn, k[first:], v[first:], cache, slots)
             # The blend passes the same positions tensor layer after layer until its computed
             # set changes: the runs and the kernel's schedule are built once for it.
             if not runs or runs[0][0] is not q_positions:
@@ -161,7 +106,7 @@ class PagedAttention:
         block_table = table[None, :].expand(int(starts.numel()), -1).contiguous()
         return kernel_batch(self.layers[layer], query_start_loc, seq_lens, block_table, q.dtype)
 
-    def _self_check(self, reference: Any) -> str | None:
+    def _self_check(self, reference: Reference) -> str | None:
         """Compare with the reference attention on scratch blocks (not the live cache)."""
         from kmesh_blend.models.layerwise import causal_mask
 
@@ -174,7 +119,8 @@ class PagedAttention:
             v = torch.randn(n, self.num_kv_heads, self.head_dim, generator=gen).to(dtype)
             pos = torch.tensor(sorted(set(range(0, 9)) | set(range(20, n, 7)) | {n - 1}))
             q = torch.randn(pos.numel(), self.num_heads, self.head_dim, generator=gen).to(dtype)
-            got = self.hook([2, 0], n, scratch)(0, q, k, v, pos)
+            slots = slot_mapping([2, 0], self.block_size, 0, n)
+            got = self.hook([2, 0], slots, scratch)(0, q, k, v, pos)
             want = reference(q, k, v, causal_mask(pos, torch.arange(n)))
         except Exception as exc:  # any failure means: keep the reference path
             return f"{type(exc).__name__}: {exc}"

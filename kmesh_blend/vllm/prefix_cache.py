@@ -22,9 +22,9 @@ not prove equal KV. A block whose load failed is recomputed exactly by vLLM and 
 private hash (a lost hit, never a wrong one). Privatization is sticky: a request rescheduled after
 preemption keeps the private hashes it had.
 
-Assumptions, checked at start against the running vLLM (`check_prefix_caching`; if one fails, the
-connector refuses to start with prefix caching on, naming it): one KV cache group; the hasher
-gives one hash per ``hash_block_size`` tokens; `KVCacheManager` caches blocks under
+Assumptions, checked at start against the running vLLM (`seam.blocks.check_prefix_caching`; if
+one fails, the connector refuses to start with prefix caching on, naming it): one KV cache group;
+the hasher gives one hash per ``hash_block_size`` tokens; `KVCacheManager` caches blocks under
 ``request.block_hashes`` at allocation and looks them up by the same list.
 """
 
@@ -32,9 +32,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING
 
-__all__ = ["Privatizer", "check_prefix_caching"]
+from kmesh_blend.vllm.seam.blocks import rewrite_hashes
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = ["Privatizer"]
 
 _TAG = b"kmesh-blended\0"
 
@@ -51,18 +56,18 @@ class Privatizer:
         self._serial = itertools.count()
         self._private_from: dict[str, int] = {}  # request id → first private entry
 
-    def privatize(self, request: Any, first_token: int) -> int:
+    def privatize(self, request: Request, first_token: int) -> int:
         """Make every hash entry covering tokens ≥ ``first_token`` private; returns the index of
         the first private entry. Idempotent per request, and never un-privatizes an entry."""
-        hashes = request.block_hashes
         start = first_token // self.hash_block_size
-        done = self._private_from.get(request.request_id, len(hashes))
         salt = next(self._serial).to_bytes(8, "little")
-        for i in range(start, min(done, len(hashes))):
-            if not isinstance(hashes[i], bytes):
-                raise TypeError(f"block hashes are {type(hashes[i]).__name__}, not bytes")
-            hashes[i] = hashlib.sha256(_TAG + salt + hashes[i]).digest()
-        first = min(start, done)
+        done = self._private_from.get(request.request_id)  # entries from here on are private
+
+        def mix(entry: bytes) -> bytes:
+            return hashlib.sha256(_TAG + salt + entry).digest()
+
+        total = rewrite_hashes(request, start, done if done is not None else 1 << 62, mix)
+        first = min(start, done if done is not None else total)
         self._private_from[request.request_id] = first
         return first
 
@@ -72,57 +77,3 @@ class Privatizer:
     def forget(self, request_id: str) -> None:
         """The request finished: its entries stay private in the cache; only our record goes."""
         self._private_from.pop(request_id, None)
-
-
-def check_prefix_caching(vllm_config: Any, kv_cache_config: Any) -> str | None:
-    """None when the mechanism holds in this vLLM; else what failed, in words.
-
-    Runs on a scratch `KVCacheManager` of 16 blocks (never the engine's): a request whose
-    entries from its second block on are privatized is allocated and freed; an identical request
-    with real hashes must then find exactly its first block in the cache."""
-    try:
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.request import Request
-    except ImportError as exc:
-        return f"vLLM's prefix-cache classes are not where expected: {exc}"
-    groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if groups is None or len(groups) != 1:
-        return f"{len(groups or [])} KV cache groups (one is supported)"
-    block = int(vllm_config.cache_config.block_size)
-    hash_block = int(getattr(kv_cache_config, "hash_block_size", None) or block)
-    if block % hash_block:
-        return f"block size {block} is not a multiple of the hash block size {hash_block}"
-    try:
-        import dataclasses
-
-        scratch = dataclasses.replace(kv_cache_config, num_blocks=16)
-        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        hasher = get_request_block_hasher(hash_block, hash_fn)
-        tokens = [(7 * i + 3) % 1000 + 1 for i in range(4 * block + 1)]
-
-        def request(req_id: str) -> Any:
-            params = SamplingParams(max_tokens=1)
-            return Request(req_id, list(tokens), params, None, block_hasher=hasher)
-
-        manager = KVCacheManager(scratch, 4 * block + 8, block, hash_block, enable_caching=True)
-        blended = request("kmesh-check-blended")
-        if len(blended.block_hashes) != 4 * block // hash_block:
-            return f"{len(blended.block_hashes)} block hashes for {4 * block + 1} tokens"
-        Privatizer(hash_block).privatize(blended, block)
-        if manager.allocate_slots(blended, len(tokens)) is None:
-            return "the scratch cache could not allocate 5 blocks"
-        manager.free(blended)
-        exact = request("kmesh-check-exact")
-        _, hit, *_ = manager.get_computed_blocks(exact)
-    except Exception as exc:
-        return f"the start-up check failed: {type(exc).__name__}: {exc}"
-    if hit != block:
-        return (
-            f"an exact request found {hit} cached tokens after a blended one (want {block}: the "
-            "exact first block, and none of the privatized ones)"
-        )
-    return None

@@ -1,4 +1,4 @@
-"""Merging the worker's per-request outcomes into the scheduler side's reports.
+"""Merging the worker's per-request outcomes into the scheduler side's reports; counting them.
 
 A request's report (`kmesh_blend.vllm.meta.Report`) is owned by the scheduler side; each step
 the worker sends fields for it. `merge` puts them in: reasons cut to `REASON_CHARS`, every
@@ -9,8 +9,9 @@ distinct ``cascade_off`` reason kept once, and for a request scheduled again aft
 from __future__ import annotations
 
 from kmesh_blend.vllm.meta import Report
+from kmesh_blend.vllm.stats import fallback_reason
 
-__all__ = ["REASON_CHARS", "merge", "resumed", "short"]
+__all__ = ["REASON_CHARS", "count", "merge", "resumed", "short"]
 
 REASON_CHARS = 200  # a reason echoes at most this much of the bad input
 # Fields that count work: a request preempted and prefilled again adds both prefills'.
@@ -51,3 +52,27 @@ def merge(target: Report, fields: Report, before: Report | None) -> Report:
         out["cascade_off"] = seen if off in seen.split("; ") else short(f"{seen}; {off}")
     target.update(out)  # type: ignore[typeddict-item]
     return out  # type: ignore[return-value]
+
+
+def count(reports: list[Report]) -> dict[str, int]:
+    """The metrics counters (`kmesh_blend.vllm.stats`) of finished requests' final reports."""
+    counters: dict[str, int] = {}
+
+    def add(name: str, n: int | float | None) -> None:
+        if n:
+            counters[name] = counters.get(name, 0) + int(n)
+
+    for report in reports:
+        add("reused_tokens", report.get("reused_tokens"))
+        add("recomputed_tokens", report.get("recomputed_tokens"))
+        add("storage_reads", report.get("storage_reads"))
+        add("prefix_cached_tokens", report.get("prefix_cached_tokens"))
+        why = report.get("fallback")
+        if why:
+            add("requests|fallback", 1)
+            add(f"fallbacks|{fallback_reason(why)}", 1)
+        elif report.get("reused_tokens") or report.get("restored_tokens"):
+            add("requests|reused", 1)
+        else:
+            add("requests|no_reuse", 1)
+    return counters

@@ -10,28 +10,32 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kmesh_blend.config import KMeshConfig
 from kmesh_blend.segments.annotation import parse_request
-from kmesh_blend.segments.identity import Namespace, segment_ids
+from kmesh_blend.segments.identity import Namespace, SegmentId, segment_ids
 from kmesh_blend.vllm.meta import (
     VLLM_TAIL,
     KMeshMetadata,
     KMeshWorkerMetadata,
-    LoadRequest,
     Report,
     SaveRequest,
     SegmentRef,
-    new_report,
 )
 from kmesh_blend.vllm.prefix_cache import Privatizer
-from kmesh_blend.vllm.registry import LruDict, LruSet
-from kmesh_blend.vllm.reports import merge, resumed, short
+from kmesh_blend.vllm.reports import count, merge, resumed, short
 from kmesh_blend.vllm.rounds import RoundClocks, family_key, scope_of
-from kmesh_blend.vllm.stats import fallback_reason
+from kmesh_blend.vllm.scheduler_plan import Plan
+from kmesh_blend.vllm.scheduler_segments import SegmentRegistry
+from kmesh_blend.vllm.stats import Payload
 from kmesh_blend.vllm.turn_registry import HEAD, TurnRegistry
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from kmesh_blend.vllm.seam.blocks import StepRequest
 
 __all__ = ["SchedulerSide"]
 
@@ -39,29 +43,6 @@ __all__ = ["SchedulerSide"]
 _MAX_PUBLISHED, _MAX_TURNS, _MAX_SCOPES = 1 << 16, 1 << 12, 1 << 16
 
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
-
-
-@dataclass
-class _Plan:
-    token_ids: list[int]
-    segments: list[SegmentRef]
-    loads: list[SegmentRef] = field(default_factory=list)
-    saves: list[SegmentRef] = field(default_factory=list)
-    first: int = 0
-    turn: tuple[str, int] | None = None  # (turn record, its prompt length) to restore
-    keep: str | None = None  # turn record to store after the forward
-    pending_load: bool = False
-    asked: int = -1  # num_computed_tokens of the ask that made this plan, and its answer
-    matched: int = 0
-    saved: bool = False
-    blocks: list[int] = field(default_factory=list)
-    family: str | None = None  # the annotation's lifetime fields (docs/contract.md)
-    round: int | None = None
-    scope: str = ""  # whose round clock `round` counts on (`rounds.scope_of`)
-    close: bool = False
-    options: tuple[float | None, int | None] = (None, None)  # the request's ratio, sink tokens
-    report: Report = field(default_factory=new_report)
-    before: Report | None = None  # its report when it was preempted (`reports.resumed`)
 
 
 class SchedulerSide:
@@ -73,21 +54,17 @@ class SchedulerSide:
         config: KMeshConfig,
         namespace: Namespace,
         max_model_len: int,
-        contains: Any = None,
+        contains: Callable[[SegmentId], bool] | None = None,
         privatizer: Privatizer | None = None,
     ) -> None:
         self.config, self.namespace, self.max_model_len = config, namespace, max_model_len
-        self.contains = contains
         # With vLLM's prefix caching on: makes blended blocks' hashes private (prefix_cache.py).
         self.privatizer = privatizer
-        self.published: LruSet[str] = LruSet(_MAX_PUBLISHED)
+        self.segments = SegmentRegistry(contains, _MAX_PUBLISHED)
         # Set from the worker's first output when the blend cannot run on the loaded model:
         # then every annotated request is served stock, its report naming this reason.
         self.disabled: str | None = None
-        self.plans: dict[str, _Plan] = {}
-        self._saving: set[str] = set()  # segments a save is already scheduled for
-        # Segments whose last save the store refused → why: reported to their next readers.
-        self.unstored: LruDict[str, str] = LruDict(_MAX_PUBLISHED)
+        self.plans: dict[str, Plan] = {}
         self.turns = TurnRegistry(_MAX_TURNS)  # continuing requests' stored prompts
         # Reports handed out this step. A request that finishes in the step of its prefill
         # (max_tokens=1) is reported before the worker's outcome arrives later in the same
@@ -101,10 +78,8 @@ class SchedulerSide:
         self.rounds = RoundClocks(config.max_round_jump, _MAX_SCOPES)
         self._closing: list[tuple[int, str]] = []  # (number, family) until the worker applied it
         self._close_seq = 0
-        # Segments the worker retired by their lifetime → the round they were published in.
-        self.retired: LruDict[str, int] = LruDict(_MAX_PUBLISHED)
 
-    def num_matched(self, request: Any, num_computed_tokens: int) -> int:
+    def num_matched(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` the worker side will provide (0: stock path).
 
         vLLM asks again, each step, for a request that waits for memory: the answer of the first
@@ -119,7 +94,7 @@ class SchedulerSide:
             plan.asked, plan.matched = num_computed_tokens, matched
         return matched
 
-    def _num_matched(self, request: Any, num_computed_tokens: int) -> int:
+    def _num_matched(self, request: Request, num_computed_tokens: int) -> int:
         old = self.plans.get(request.request_id)
         params = request.kv_transfer_params
         if params is None and not self.config.separator:
@@ -137,7 +112,7 @@ class SchedulerSide:
                 self._without_reuse(request.request_id, tokens, short(parsed.fallback))
             return 0
         if self.disabled is not None:
-            plan = _Plan(tokens, [])
+            plan = Plan(tokens, [])
             plan.report["fallback"] = self.disabled
             self.plans[request.request_id] = plan
             return 0
@@ -156,7 +131,7 @@ class SchedulerSide:
         refs = [SegmentRef(s, e, i) for (s, e), i in zip(spans, ids, strict=True)]
         # A family name is the tenant's own: another tenant's family of the same name is another.
         family = None if annotation.family is None else family_key(salt, annotation.family)
-        plan = _Plan(tokens, refs, first=num_computed_tokens, family=family,
+        plan = Plan(tokens, refs, first=num_computed_tokens, family=family,
                      round=annotation.round, scope=scope, close=annotation.close,
                      options=(annotation.recompute_ratio, annotation.sink_tokens))  # fmt: skip
         self.rounds.announce(scope, annotation.round)
@@ -177,13 +152,13 @@ class SchedulerSide:
 
     def _without_reuse(self, req_id: str, tokens: list[int], reason: str) -> None:
         """The request runs on the stock path; its report says why."""
-        plan = _Plan(tokens, [])
+        plan = Plan(tokens, [])
         plan.report["fallback"] = reason
         self.plans[req_id] = plan
         log.warning("kmesh: request %s runs without reuse: %s", req_id, reason)
 
     def _plan_reuse(
-        self, annotation: Any, namespace: Namespace, plan: _Plan, num_computed: int,
+        self, annotation: Any, namespace: Namespace, plan: Plan, num_computed: int,
         skip_reading: bool,
     ) -> int:  # fmt: skip
         """Fill ``plan``'s loads, saves and turn; the tokens the worker will provide.
@@ -206,24 +181,14 @@ class SchedulerSide:
         plan.loads = [
             r
             for r in refs
-            if r.end > num_computed_tokens and self._is_published(r.segment_id, problems)
+            if r.end > num_computed_tokens and self.segments.loadable(r.segment_id, problems)
         ]
         plan.saves = [r for r in refs if r not in plan.loads]
         if not plan.loads and problems:  # the store did not answer: it says which and why
             plan.report["fallback"] = short(problems[0])
             return 0
         if not plan.loads:
-            gone = next((r for r in refs if r.segment_id in self.retired), None)
-            if gone is not None:  # it lived its rounds: this request stores it again
-                plan.report["fallback"] = (
-                    f"master retired: segment {gone.segment_id[:16]} published in round "
-                    f"{self.retired.get(gone.segment_id)}, lifetime {self.config.round_lifetime}"
-                )
-                return 0
-            refused = [(r, self.unstored.get(r.segment_id)) for r in refs]
-            ref, why = next(((r, w) for r, w in refused if w), (None, None))
-            if ref is not None:  # stored before? the store could not take it
-                plan.report["fallback"] = short(f"not stored: segment {ref.segment_id[:16]}: {why}")
+            plan.report["fallback"] = self.segments.why_not_stored(refs, self.config.round_lifetime)
             return 0
         if len(tokens) - VLLM_TAIL <= num_computed_tokens:
             return 0
@@ -231,89 +196,46 @@ class SchedulerSide:
             plan.keep = self.turns.keep(namespace, tokens, refs)
         return len(tokens) - VLLM_TAIL - num_computed_tokens
 
-    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        plan = self.plans.get(request.request_id)
+    def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
+        plan = self.plans.get(req_id)
         if plan is not None and num_external_tokens > 0:
             plan.pending_load = True
 
-    def build_meta(self, scheduler_output: Any) -> KMeshMetadata:
+    def build_meta(self, step: list[StepRequest]) -> KMeshMetadata:
+        """The step's loads, saves, rounds and closes (``step``: `seam.blocks.step_requests`)."""
         self._recent.clear()
         self._recent_before.clear()
         self._counted.clear()
         self.turns.new_step()
         meta = KMeshMetadata(rounds=self.rounds.news(), closes=list(self._closing))
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            plan = self.plans.get(new.req_id)
+        for req in step:
+            plan = self.plans.get(req.req_id)
             if plan is None:
                 continue
-            plan.blocks = list(new.block_ids[0])
-            self._load(meta, new.req_id, plan)
-            self._maybe_save(
-                meta, new.req_id, plan, new.num_computed_tokens + scheduled.get(new.req_id, 0)
-            )
-        cached = scheduler_output.scheduled_cached_reqs
-        # A request resumed after a preemption comes back here, with all its blocks anew.
-        resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
-        for i, req_id in enumerate(cached.req_ids):
-            plan = self.plans.get(req_id)
-            if plan is None:
-                continue
-            new_blocks = cached.new_block_ids[i]
-            if req_id in resumed_ids:
-                plan.blocks = list(new_blocks[0]) if new_blocks is not None else []
-                self._load(meta, req_id, plan)
-            elif new_blocks is not None:
-                plan.blocks.extend(new_blocks[0])
-            self._maybe_save(
-                meta, req_id, plan, cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
-            )
+            if req.whole:  # new, or resumed after a preemption with all its blocks anew
+                plan.blocks = list(req.blocks)
+                self._load(meta, req.req_id, plan)
+            else:
+                plan.blocks.extend(req.blocks)
+            self._maybe_save(meta, req.req_id, plan, req.num_computed + req.num_scheduled)
         return meta
 
-    def _load(self, meta: KMeshMetadata, req_id: str, plan: _Plan) -> None:
+    def _load(self, meta: KMeshMetadata, req_id: str, plan: Plan) -> None:
         """The worker provides the tokens this plan matched, in this step (before the forward)."""
-        if not plan.pending_load:
-            return
-        plan.pending_load = False
-        turn, turn_len = plan.turn or (None, 0)
-        meta.loads.append(
-            LoadRequest(
-                req_id,
-                plan.token_ids,
-                plan.blocks,
-                plan.loads,
-                plan.first,
-                turn=turn,
-                turn_len=turn_len,
-                keep=plan.keep,
-                family=plan.family,
-                recompute_ratio=plan.options[0],
-                sink_tokens=plan.options[1],
-            )
-        )
+        if plan.pending_load:
+            plan.pending_load = False
+            meta.loads.append(plan.load_request(req_id))
 
     def on_worker_output(self, worker_meta: Any) -> None:
         if not isinstance(worker_meta, KMeshWorkerMetadata):
             return
         if worker_meta.disabled is not None:
             self.disabled = worker_meta.disabled
-        self.published.update(worker_meta.published)
-        self._saving.difference_update(worker_meta.published)
-        # What the store could not give back or did not take is not published: the next
-        # request that computes it stores it again.
-        self.published.difference_update(worker_meta.lost)
-        self._saving.difference_update(worker_meta.unpublished)
-        for segment_id, why in worker_meta.store_errors.items():
-            self.unstored[segment_id] = why
-        for segment_id in worker_meta.published:
-            self.unstored.pop(segment_id)
-            self.retired.pop(segment_id)
+        self.segments.apply(worker_meta)
         self._closing = [(n, f) for n, f in self._closing if n > worker_meta.closed_upto]
         self.rounds.applied(worker_meta.rounds)
-        self.published.difference_update(worker_meta.retired)  # deleted from the store
-        for segment_id, round_ in worker_meta.retired.items():
-            self.retired[segment_id] = round_
         self.turns.stored(worker_meta.turns)
+        published = self.segments.published
         for req_id, report in worker_meta.reports.items():
             plan = self.plans.get(req_id)
             target = plan.report if plan is not None else self._recent.get(req_id)
@@ -324,13 +246,13 @@ class SchedulerSide:
                 # The load failed and vLLM recomputes the prompt: once it has, store every
                 # segment of it the store does not hold.
                 plan.saved = False
-                plan.saves = [r for r in plan.segments if r.segment_id not in self.published]
+                plan.saves = [r for r in plan.segments if r.segment_id not in published]
 
-    def finished(self, request: Any) -> dict[str, Report] | None:
+    def finished(self, req_id: str) -> dict[str, Report] | None:
         """The report for ``RequestOutput.kv_transfer_params``; None for unannotated requests."""
         if self.privatizer is not None:
-            self.privatizer.forget(request.request_id)
-        plan = self.plans.pop(request.request_id, None)
+            self.privatizer.forget(req_id)
+        plan = self.plans.pop(req_id, None)
         if plan is None:
             return None
         if plan.keep is not None:
@@ -340,39 +262,20 @@ class SchedulerSide:
             self._closing.append((self._close_seq, plan.family))
         if self.disabled is not None and plan.report["fallback"] is None:
             plan.report["fallback"] = self.disabled  # it ran before the worker's word arrived
-        self._recent[request.request_id] = plan.report
+        self._recent[req_id] = plan.report
         if plan.before is not None:
-            self._recent_before[request.request_id] = plan.before
+            self._recent_before[req_id] = plan.before
         return {"kmesh": plan.report}
 
-    def take_stats(self) -> dict[str, Any] | None:
+    def take_stats(self) -> Payload | None:
         """Metrics payload (`kmesh_blend.vllm.stats`): the final reports of requests finished
         since the last call, and registry sizes; None when nothing changed. vLLM asks after the
         step's worker outcomes are merged, so a report is counted once it is complete."""
-        counters: dict[str, int] = {}
-
-        def add(name: str, n: int) -> None:
-            if n:
-                counters[name] = counters.get(name, 0) + n
-
-        for req_id, report in self._recent.items():
-            if req_id in self._counted:
-                continue
-            self._counted.add(req_id)
-            add("reused_tokens", report.get("reused_tokens", 0))
-            add("recomputed_tokens", report.get("recomputed_tokens", 0))
-            add("storage_reads", report.get("storage_reads", 0))
-            add("prefix_cached_tokens", report.get("prefix_cached_tokens", 0))
-            why = report.get("fallback")
-            if why:
-                add("requests|fallback", 1)
-                add(f"fallbacks|{fallback_reason(why)}", 1)
-            elif report.get("reused_tokens") or report.get("restored_tokens"):
-                add("requests|reused", 1)
-            else:
-                add("requests|no_reuse", 1)
+        fresh = [(r, rep) for r, rep in self._recent.items() if r not in self._counted]
+        self._counted.update(r for r, _ in fresh)
+        counters = count([rep for _, rep in fresh])
         gauges = {
-            "published_segments": len(self.published),
+            "published_segments": len(self.segments.published),
             "turn_records": len(self.turns.records),
             "pending_keeps": self.turns.num_pending,
             "plans": len(self.plans),
@@ -384,35 +287,13 @@ class SchedulerSide:
 
     # --- helpers --------------------------------------------------------------------------------
 
-    def _is_published(self, segment_id: str, problems: list[str]) -> bool:
-        """Whether ``segment_id`` can be loaded; a store that cannot answer means no (the
-        reason is appended to ``problems``; the store logs its outage itself)."""
-        if segment_id in self.published:
-            return True
-        if self.contains is not None:
-            try:
-                if self.contains(segment_id):
-                    self.published.add(segment_id)
-                    return True
-            except Exception as exc:
-                problems.append(str(exc))
-        return False
-
-    def _maybe_save(self, meta: KMeshMetadata, req_id: str, plan: _Plan, done: int) -> None:
+    def _maybe_save(self, meta: KMeshMetadata, req_id: str, plan: Plan, done: int) -> None:
         if plan.saved or done < len(plan.token_ids):
             return
         plan.saved = True
-        todo = [
-            r
-            for r in plan.saves
-            if r.segment_id not in self._saving and r.segment_id not in self.published
-        ]
-        unique: dict[str, SegmentRef] = {}
-        for ref in todo:
-            unique.setdefault(ref.segment_id, ref)
-        if unique:
-            self._saving.update(unique)
-            save = SaveRequest(req_id, list(plan.blocks), list(unique.values()))
+        todo = self.segments.claim_saves(plan.saves)
+        if todo:
+            save = SaveRequest(req_id, list(plan.blocks), todo)
             save.family, save.round, save.scope = plan.family, plan.round, plan.scope
             save.scope_round = self.rounds.now(plan.scope)
             meta.saves.append(save)

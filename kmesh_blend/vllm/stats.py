@@ -8,16 +8,27 @@ that serves ``/metrics``, and there hands them to the `KVConnectorPromMetrics` o
 builds. Both sides report the same shape of payload::
 
     {"counters": {"reused_tokens": 416, "fallbacks|load error": 1, ...},   # since last report
-     "gauges": {"published_segments": 12, ...}}                              # current values
+     "gauges": {"published_segments": 12, ...},                              # current values
+     "info": {"vllm_seam": {"found": "...", "changed": "..."}}}   # once per worker process
 
 A counter name may carry one label value after ``|``. Prometheus names: ``vllm:kmesh_<name>``
 (counters get ``_total``), with vLLM's engine labels, plus ``outcome`` / ``reason`` / ``tier``
-labels where the name has one.
+labels where the name has one. ``info`` becomes ``vllm:kmesh_<name>_info`` (value 1, the
+fields as labels).
 """
 
 from __future__ import annotations
 
-__all__ = ["COUNTERS", "GAUGES", "fallback_reason"]
+from typing import TypedDict
+
+__all__ = ["COUNTERS", "GAUGES", "INFOS", "Payload", "fallback_reason"]
+
+
+class Payload(TypedDict, total=False):
+    counters: dict[str, int]
+    gauges: dict[str, int]
+    info: dict[str, dict[str, str]]
+
 
 # name → (help text, label name or None)
 COUNTERS: dict[str, tuple[str, str | None]] = {
@@ -41,6 +52,14 @@ GAUGES: dict[str, str] = {
     "retained_bytes": "Bytes of masters retained in host RAM",
     "indexed_segments": "Segments in the worker's round-aware index",
     "store_up": "1 while the worker's store answers, 0 while it is marked down",
+}
+
+# name → (help text, label names)
+INFOS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "vllm_seam": (
+        "What kmesh-blend found in vLLM's internals and changed there (value 1)",
+        ("found", "changed"),
+    ),
 }
 
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
+from kmesh_blend.vllm.paged import PagedLayout
+from kmesh_blend.vllm.seam.engine import hook_model_output, step_slots
 
 __all__ = ["Tails"]
 
@@ -47,15 +47,15 @@ class Tails:
         self.finals: dict[str, tuple[int, torch.Tensor]] = {}
         self.placed = 0  # final hidden states placed into a forward's output (for tests/metrics)
         self._warned = False
-        self._handle = model.register_forward_hook(self._after_forward) if model else None
+        self._remove = hook_model_output(model, self._place) if model is not None else None
 
     def keep(
-        self, req_id: str, block_ids: list[int], block_size: int, num_tokens: int, first: int,
-        keys: list[torch.Tensor], values: list[torch.Tensor], final: torch.Tensor | None,
+        self, req_id: str, slots: torch.Tensor, first: int, keys: list[torch.Tensor],
+        values: list[torch.Tensor], final: torch.Tensor | None,
     ) -> None:  # fmt: skip
-        """Keep rows ``first..num_tokens-1`` of the blend's per-layer ``keys`` / ``values``
-        ([T, Hkv, D]) and ``final`` ([E], the last token's final hidden state, or None)."""
-        slots = slot_mapping(block_ids, block_size, first, num_tokens)
+        """Keep rows ``first..T-1`` of the blend's per-layer ``keys`` / ``values`` ([T, Hkv, D]),
+        at ``slots`` [T − first] int64, and ``final`` ([E], the last token's final hidden state,
+        or None)."""
         layers = [(k[first:].clone(), v[first:].clone()) for k, v in zip(keys, values, strict=True)]
         self.rows[req_id] = (slots, layers)
         if final is not None:
@@ -72,17 +72,16 @@ class Tails:
                 paged.write(cache, k, v, slots.to(cache.device))
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if self._remove is not None:
+            self._remove()
+            self._remove = None
 
-    def _after_forward(self, module: Any, args: Any, output: Any) -> None:
+    def _place(self, output: torch.Tensor) -> None:
+        """After the model's forward: the kept final hidden states into its output [T, E]."""
         if not self.finals:
             return
         finals, self.finals = self.finals, {}
-        if not isinstance(output, torch.Tensor) or output.dim() != 2:
-            return  # intermediate tensors (pipeline stage) or extra outputs: leave vLLM's
-        slots = _step_slots()
+        slots = step_slots()
         if slots is None:
             self._warn("no slot mapping in the forward context")
             return
@@ -101,20 +100,3 @@ class Tails:
         if not self._warned:
             self._warned = True
             log.warning("kmesh: first token from vLLM's own tail forward: %s", why)
-
-
-def _step_slots() -> torch.Tensor | None:
-    """[num_tokens] int64: the paged-cache slot of every token of the current forward."""
-    try:
-        from vllm.forward_context import get_forward_context
-
-        ctx = get_forward_context()
-    except Exception:
-        return None
-    for source in (getattr(ctx, "slot_mapping", None), getattr(ctx, "attn_metadata", None)):
-        if isinstance(source, dict):
-            for item in source.values():
-                slots = getattr(item, "slot_mapping", item)  # a tensor, or attention metadata
-                if isinstance(slots, torch.Tensor):
-                    return slots
-    return None

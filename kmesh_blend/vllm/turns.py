@@ -23,18 +23,22 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
 from kmesh_blend.mirror.lifecycle import MirrorStore
 from kmesh_blend.mirror.restore import plan_restore, restore_layer
+from kmesh_blend.segments.cache import SegmentCache
 from kmesh_blend.segments.identity import Namespace, SegmentId, segment_id
-from kmesh_blend.vllm.meta import SegmentRef
-from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
+from kmesh_blend.segments.master import Master
+from kmesh_blend.vllm.meta import KMeshWorkerMetadata, LoadRequest, SegmentRef
+from kmesh_blend.vllm.paged import PagedLayout
 
-__all__ = ["restore_turn", "save_turn", "turn_id"]
+__all__ = ["keep_turn", "restore_turn", "save_turn", "turn_id"]
+
+log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 _HEADER_LEN = 8
 
@@ -50,7 +54,7 @@ def save_turn(
     record_id: str,
     kv: torch.Tensor,
     uses: Sequence[SegmentRef],
-    masters: Mapping[SegmentId, Any],
+    masters: Mapping[SegmentId, Master],
     inv_freq: torch.Tensor,
 ) -> int:
     """Store the turn record of a prompt's KV ``kv`` [L, 2, T, Hkv, D]; its bytes, 0 on failure.
@@ -95,11 +99,11 @@ def restore_turn(
     num_tokens: int,
     paged: PagedLayout,
     caches: Sequence[torch.Tensor],
-    block_ids: Sequence[int],
+    slots: torch.Tensor,
     inv_freq: torch.Tensor,
 ) -> str | None:
-    """Write a turn record's T = ``num_tokens`` prompt rows into ``block_ids`` of every layer's
-    ``caches``. Returns None, or why it could not (nothing is trusted then: recompute)."""
+    """Write a turn record's T = ``num_tokens`` prompt rows at ``slots`` [≥ T] int64 of every
+    layer's ``caches``. Returns None, or why it could not (nothing is trusted then: recompute)."""
     blob = mirrors.store.get_blob(SegmentId(record_id))
     if blob is None:
         return "turn record missing"
@@ -121,7 +125,7 @@ def restore_turn(
         return "turn record truncated"
     rows = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(dtype)
     rows = rows.view(L, 2, private.numel(), H, D)
-    slots = slot_mapping(list(block_ids), paged.block_size, 0, num_tokens)
+    slots = slots[:num_tokens]
     plans = []
     for start, end, _, mid in header["uses"]:
         got = mirrors.fetch(SegmentId(mid))
@@ -146,3 +150,21 @@ def restore_turn(
 def _mirror_bytes(mirrors: MirrorStore, mid: str) -> int:
     info = mirrors.cache.index.get(SegmentId(mid))
     return int(getattr(info, "nbytes", 0) or 0)
+
+
+def keep_turn(load: LoadRequest, kv: torch.Tensor, mirrors: MirrorStore, cache: SegmentCache,
+              inv_freq: torch.Tensor, out: KMeshWorkerMetadata) -> None:  # fmt: skip
+    """After the forward: store ``load``'s prompt KV ``kv`` [L, 2, T, Hkv, D] as its turn record
+    ``load.keep`` (reported in ``out``; a master gone or a store refusal only logs)."""
+    assert load.keep is not None
+    masters = {r.segment_id: cache.fetch(r.segment_id).master for r in load.segments}
+    found = {sid: m for sid, m in masters.items() if m is not None}
+    if len(found) != len(masters):
+        log.warning("kmesh: turn of %s not kept: a master is gone", load.req_id)
+        return
+    size = save_turn(mirrors, load.keep, kv, load.segments, found, inv_freq)
+    if size:
+        out.turns.append(load.keep)
+        out.reports.setdefault(load.req_id, {})["kept_bytes"] = size
+    else:
+        log.warning("kmesh: turn of %s could not be stored", load.req_id)

@@ -20,9 +20,9 @@ def unsupported_vllm(version: str | None = None) -> str | None:
     from packaging.version import InvalidVersion, Version
 
     if version is None:
-        import vllm
+        from kmesh_blend.vllm.seam.engine import installed_version
 
-        version = str(getattr(vllm, "__version__", "unknown"))
+        version = installed_version()
     try:
         # A local or dev build of a tested release counts as that release.
         ok = Version(Version(version).base_version) in SpecifierSet(TESTED_VLLM)

@@ -64,7 +64,7 @@ def _case(layouts: list[tuple[int, list[int]]], seed: int = 0):  # type: ignore[
             layout.write(cache, k, v, slots)
             context.append((k, v))
         uses = [MasterUse("m", o, o + SIZE, master) for o in offsets]
-        plans.append(DecodePlan(f"r{r}", blocks, total, uses))
+        plans.append(DecodePlan(f"r{r}", blocks, slots, uses))
         contexts.append(context)
     return plans, contexts, caches, layout, rope
 

@@ -61,7 +61,8 @@ def _request(dtype: torch.dtype, replaced: dict[int, list[int]]) -> Built:
         cache = torch.zeros(6, HEADS, BLOCK, 2 * DIM, dtype=dtype)
         layout.write(cache, k.to(dtype), v.to(dtype), slot_mapping(blocks, BLOCK, 0, total))
         caches.append(cache)
-    plan = DecodePlan("r", blocks, total, [MasterUse("m", offset, offset + size, master)])
+    slots = slot_mapping(blocks, BLOCK, 0, total)
+    plan = DecodePlan("r", blocks, slots, [MasterUse("m", offset, offset + size, master)])
     return plan, caches, (layout, rope, master)
 
 

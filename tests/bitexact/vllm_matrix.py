@@ -23,8 +23,7 @@ from kmesh_blend.testing import (
     build_checkpoint,
     smollm2_checkpoint,
 )
-from kmesh_blend.testing.engine import make_llm
-from kmesh_blend.vllm.worker_side import set_fault_injector, set_kv_capture
+from kmesh_blend.testing.engine import live_worker, make_llm
 
 # name → (checkpoint directory, vocabulary size); SmolLM2 is the real pretrained model.
 MODELS: dict[str, tuple[Any, int]] = {
@@ -122,10 +121,11 @@ def run_engine(
     )
     captured: dict[str, torch.Tensor] = {}
     # vLLM's engine ids are the caller's id + "-" + 8 random characters.
-    set_kv_capture(lambda req_id, kv: captured.__setitem__(req_id.rsplit("-", 1)[0], kv.clone()))
+    hooks = live_worker().hooks
+    hooks.capture = lambda req_id, kv: captured.__setitem__(req_id.rsplit("-", 1)[0], kv.clone())
     plan = follow_ups(vocab)
     targets = {tuple(ids) for key, ids, _ in plan if key == fail}
-    set_fault_injector(lambda load: "injected" if tuple(load.token_ids) in targets else None)
+    hooks.fault = lambda load: "injected" if tuple(load.token_ids) in targets else None
 
     def params(spans: list[list[int]] | None) -> Any:
         extra_args = {"kv_transfer_params": {"kmesh": {"segments": spans}}} if spans else None
@@ -152,8 +152,6 @@ def run_engine(
                 if not key.endswith("/reader"):
                     results[key] = _outcome(out, captured.pop(out.request_id, None))
     finally:
-        set_kv_capture(None)
-        set_fault_injector(None)
         del llm
         gc.collect()
     return results

@@ -4,12 +4,13 @@ with their own private instructions before it and a question after it, 8 greedy 
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
-from kmesh_blend.testing.engine import kv_transfer_config, make_llm
+from kmesh_blend.testing.engine import kv_transfer_config, live_worker, make_llm
 
 DOC_LEN, NUM_FOLLOW_UPS, MAX_TOKENS = 416, 4, 8
 
@@ -33,8 +34,11 @@ def params(spans: list[list[int]] | None) -> Any:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, extra_args=extra)
 
 
-def run_family(**extra: Any) -> list[tuple[list[int], dict[str, Any] | None]]:
+def run_family(
+    fault: Callable[[Any], str | None] | None = None, **extra: Any
+) -> list[tuple[list[int], dict[str, Any] | None]]:
     """Start an engine with KMesh, read the document once, then run the follow-ups in one call.
+    ``fault``: the worker's fault hook (`WorkerHooks.fault`) for this engine.
 
     Returns (generated tokens, kmesh report) for the first reader, each follow-up, then the
     second prompt unannotated and the third with a bad (reversed) span."""
@@ -43,6 +47,7 @@ def run_family(**extra: Any) -> list[tuple[list[int], dict[str, Any] | None]]:
         kv_transfer_config=kv_transfer_config(**extra),
         enable_prefix_caching=False,
     )
+    live_worker().hooks.fault = fault
     try:
         family = prompts()
         first = llm.generate(

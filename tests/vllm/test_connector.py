@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 
 from kmesh_blend.blend import keep_count
-from kmesh_blend.vllm.worker_side import set_fault_injector
 from tests.vllm.family import DOC_LEN, NUM_FOLLOW_UPS, prompts, run_family, run_stock
 
 pytestmark = pytest.mark.vllm
@@ -56,12 +55,10 @@ def test_ratio_one_generates_stock_tokens(stock: list[list[int]]) -> None:
 
 def test_one_load_failure_recomputes_only_that_request(stock: list[list[int]]) -> None:
     target = prompts()[2][0]
-    set_fault_injector(lambda load: "injected fault" if load.token_ids == target else None)
-    try:
-        # A distinct setting keeps this engine apart from the no-fault run cached above.
-        results = _family(store="cpu", recompute_ratio=0.15, retention_bytes=1 << 29)
-    finally:
-        set_fault_injector(None)
+    results = run_family(
+        lambda load: "injected fault" if load.token_ids == target else None,
+        store="cpu", recompute_ratio=0.15,
+    )  # fmt: skip
     normal = _family(store="cpu", recompute_ratio=0.15)
     failed_tokens, failed_report = results[2]
     assert failed_report["fallback"].startswith("load error: injected fault")

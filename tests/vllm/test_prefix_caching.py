@@ -147,26 +147,27 @@ def test_a_failed_mechanism_check_refuses_prefix_caching(monkeypatch: pytest.Mon
     assert leaked_connector()  # the failed start left vLLM's connector set; dropped now
 
 
-def test_the_mechanism_check_fails_without_privatization(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_mechanism_check_fails_without_privatization() -> None:
     """The start-up check is able to fail: with privatization switched off, the exact request
     finds the blended blocks and the check names it."""
     import types
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from kmesh_blend.vllm import prefix_cache
+    from kmesh_blend.vllm.prefix_cache import Privatizer
+    from kmesh_blend.vllm.seam.blocks import check_prefix_caching
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
     config = KVCacheConfig(100, [], [KVCacheGroupSpec(["layer.0"], spec)])
     vllm_config = types.SimpleNamespace(
         cache_config=types.SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256")
     )
-    assert prefix_cache.check_prefix_caching(vllm_config, config) is None
-    monkeypatch.setattr(prefix_cache.Privatizer, "privatize", lambda self, r, t: 0)
-    problem = prefix_cache.check_prefix_caching(vllm_config, config)
+    privatize = Privatizer(16).privatize
+    assert check_prefix_caching(vllm_config, config, privatize) is None
+    problem = check_prefix_caching(vllm_config, config, lambda request, first: 0)
     assert problem is not None and "found 64 cached tokens" in problem
     two = KVCacheConfig(100, [], [KVCacheGroupSpec(["a"], spec), KVCacheGroupSpec(["b"], spec)])
-    assert "2 KV cache groups" in str(prefix_cache.check_prefix_caching(vllm_config, two))
+    assert "2 KV cache groups" in str(check_prefix_caching(vllm_config, two, privatize))
 
 
 def test_privatizing_is_sticky_and_per_request() -> None:

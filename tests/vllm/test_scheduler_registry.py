@@ -14,6 +14,7 @@ from kmesh_blend.segments.identity import make_namespace
 from kmesh_blend.vllm.meta import KMeshWorkerMetadata
 from kmesh_blend.vllm.registry import LruDict, LruSet
 from kmesh_blend.vllm.scheduler_side import SchedulerSide
+from kmesh_blend.vllm.seam.blocks import step_requests
 
 
 def _side() -> SchedulerSide:
@@ -42,13 +43,13 @@ def test_lost_masters_are_unpublished_and_the_failed_request_stores_them() -> No
     req = _request("r", [[4, 40]])
     side.num_matched(req, 0)
     segment = side.plans["r"].segments[0].segment_id
-    side.published.add(segment)
+    side.segments.published.add(segment)
     assert side.num_matched(_request("f", [[4, 40]]), 0) == 62  # all but the tail
-    side.after_alloc(_request("f", [[4, 40]]), None, 62)
+    side.after_alloc("f", 62)
     side.plans["f"].blocks = [0, 1]  # scheduled
     out = KMeshWorkerMetadata(reports={"f": {"fallback": "load error: miss"}}, lost=[segment])
     side.on_worker_output(out)
-    assert segment not in side.published
+    assert segment not in side.segments.published
     assert side.plans["f"].saves[0].segment_id == segment and not side.plans["f"].saved
 
 
@@ -84,47 +85,47 @@ def test_keeps_of_finished_requests_that_were_never_stored_are_dropped() -> None
     side.num_matched(req, 0)
     side.plans["r"].keep = side.turns.keep(side.namespace, list(range(64)), [])
     assert side.turns.num_pending == 1
-    side.finished(req)
-    side.build_meta(SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
-                                    scheduled_cached_reqs=SimpleNamespace(req_ids=[])))  # fmt: skip
+    side.finished(req.request_id)
+    side.build_meta([])
     assert side.turns.num_pending == 0
 
 
 def _empty_step() -> Any:
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[])
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                             resumed_req_ids=set())  # fmt: skip
     return SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
                            scheduled_cached_reqs=cached)  # fmt: skip
 
 
 def test_rounds_and_closes_reach_the_worker_until_it_applied_them() -> None:
     side = _side()
-    assert side.build_meta(_empty_step()).rounds == {}  # no round announced yet
+    assert side.build_meta([]).rounds == {}  # no round announced yet
     side.num_matched(_request("a", [[4, 40]], round=3, family="f", close=True), 0)
     side.num_matched(_request("b", [[4, 40]], round=1), 0)  # rounds only move forward
-    assert side.build_meta(_empty_step()).rounds == {"": 3}
-    assert side.build_meta(_empty_step()).rounds == {"": 3}  # sent again: no answer yet
+    assert side.build_meta([]).rounds == {"": 3}
+    assert side.build_meta([]).rounds == {"": 3}  # sent again: no answer yet
     side.on_worker_output(KMeshWorkerMetadata(rounds={"": 3}))
-    assert side.build_meta(_empty_step()).rounds == {}
-    side.finished(SimpleNamespace(request_id="a"))
-    assert side.build_meta(_empty_step()).closes == [(1, '["", "f"]')]
-    assert side.build_meta(_empty_step()).closes == [(1, '["", "f"]')]  # sent again
+    assert side.build_meta([]).rounds == {}
+    side.finished("a")
+    assert side.build_meta([]).closes == [(1, '["", "f"]')]
+    assert side.build_meta([]).closes == [(1, '["", "f"]')]  # sent again
     side.on_worker_output(KMeshWorkerMetadata(closed_upto=1))
-    assert side.build_meta(_empty_step()).closes == []
+    assert side.build_meta([]).closes == []
 
 
 def test_a_retired_segment_is_reported_and_stored_again() -> None:
     side = _side()
     side.num_matched(_request("r", [[4, 40]], round=0), 0)
     segment = side.plans["r"].segments[0].segment_id
-    side.published.add(segment)
+    side.segments.published.add(segment)
     side.on_worker_output(KMeshWorkerMetadata(retired={segment: 0}))
-    assert segment not in side.published
+    assert segment not in side.segments.published
     assert side.num_matched(_request("f", [[4, 40]], round=2), 0) == 0  # computes it
     report = side.plans["f"].report
     assert report["fallback"].startswith(f"master retired: segment {segment[:16]}")
     assert [r.segment_id for r in side.plans["f"].saves] == [segment]  # stores it again
     side.on_worker_output(KMeshWorkerMetadata(published=[segment]))
-    assert segment in side.published and segment not in side.retired
+    assert segment in side.segments.published and segment not in side.segments.retired
 
 
 def test_rounds_and_families_are_per_tenant() -> None:
@@ -133,7 +134,7 @@ def test_rounds_and_families_are_per_tenant() -> None:
     salted = _request("b", [[4, 40]], round=60, family="f")
     salted.cache_salt = "tenant-b"
     side.num_matched(salted, 0)
-    rounds = side.build_meta(_empty_step()).rounds
+    rounds = side.build_meta([]).rounds
     assert rounds == {"": 5, "tenant-b\x00": 60}  # each tenant's own clock
     assert side.plans["a"].family != side.plans["b"].family  # one name, two families
 
@@ -145,7 +146,7 @@ def test_a_round_too_far_ahead_is_refused_naming_the_field() -> None:
     report = side.plans["b"].report
     assert report["fallback"] is not None and report["fallback"].startswith("round refused: round=")
     assert "kmesh.max_round_jump" in report["fallback"]
-    assert side.build_meta(_empty_step()).rounds == {"": 64}  # the refused one moved nothing
+    assert side.build_meta([]).rounds == {"": 64}  # the refused one moved nothing
     side.num_matched(_request("c", [[4, 40]], round=128), 0)  # 64 past the new round: fine
     assert side.plans["c"].report["fallback"] is None
 
@@ -154,11 +155,11 @@ def test_a_preempted_request_keeps_what_it_reused() -> None:
     side = _side()
     req = _request("r", [[4, 40]])
     side.num_matched(req, 0)
-    side.published.add(side.plans["r"].segments[0].segment_id)
+    side.segments.published.add(side.plans["r"].segments[0].segment_id)
     assert side.num_matched(req, 0) == 0  # planned before the segment was stored: same answer
     side.plans.pop("r")
     assert side.num_matched(req, 0) == 62
-    side.after_alloc(req, None, 62)
+    side.after_alloc(req.request_id, 62)
     side.plans["r"].blocks = [0, 1]  # scheduled, blended:
     side.on_worker_output(
         KMeshWorkerMetadata(
@@ -177,7 +178,7 @@ def test_a_preempted_request_keeps_what_it_reused() -> None:
     side.on_worker_output(KMeshWorkerMetadata(reports={"r": {
         "reused_tokens": 10, "recomputed_tokens": 4, "storage_reads": 0, "cascade_steps": 2,
         "cascade_off": "its blocks changed (preempted and rescheduled)"}}))  # fmt: skip
-    report = side.finished(req)["kmesh"]  # type: ignore[index]
+    report = side.finished(req.request_id)["kmesh"]  # type: ignore[index]
     assert report["preemptions"] == 1 and report["fallback"] is None
     assert (report["reused_tokens"], report["recomputed_tokens"]) == (40, 10)
     assert (report["storage_reads"], report["cascade_steps"]) == (1, 5)
@@ -199,19 +200,19 @@ def test_a_resumed_request_is_loaded_into_its_new_blocks() -> None:
     side = _side()
     req = _request("r", [[4, 40]])
     side.num_matched(req, 0)
-    side.published.add(side.plans["r"].segments[0].segment_id)
+    side.segments.published.add(side.plans["r"].segments[0].segment_id)
     side.plans.pop("r")
     new = SimpleNamespace(req_id="r", block_ids=([0, 1],), num_computed_tokens=0)
     step = _empty_step()
     step.scheduled_new_reqs = [new]
     assert side.num_matched(req, 0) == 62
-    side.after_alloc(req, None, 62)
-    assert [load.block_ids for load in side.build_meta(step).loads] == [[0, 1]]
+    side.after_alloc(req.request_id, 62)
+    assert [load.block_ids for load in side.build_meta(step_requests(step)).loads] == [[0, 1]]
     assert side.num_matched(req, 0) == 62  # preempted, asked again
-    side.after_alloc(req, None, 62)
+    side.after_alloc(req.request_id, 62)
     cached = SimpleNamespace(req_ids=["r"], new_block_ids=[([5, 6],)], num_computed_tokens=[0],
                              resumed_req_ids={"r"})  # fmt: skip
     step = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
                            scheduled_cached_reqs=cached)  # fmt: skip
-    loads = side.build_meta(step).loads
+    loads = side.build_meta(step_requests(step)).loads
     assert [(load.req_id, load.block_ids) for load in loads] == [("r", [5, 6])]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kmesh_blend.vllm import tails as tails_mod
+from kmesh_blend.vllm.paged import slot_mapping
 from kmesh_blend.vllm.tails import Tails
 
 
@@ -19,7 +20,7 @@ class _Model(torch.nn.Module):
 
 def _kept(tails: Tails, req_id: str, block: int, final: torch.Tensor) -> None:
     k = torch.zeros(6, 1, 2)  # [T, Hkv, D]; rows 4..5 are the tail
-    tails.keep(req_id, [block], 16, 6, 4, [k], [k.clone()], final)
+    tails.keep(req_id, slot_mapping([block], 16, 4, 6), 4, [k], [k.clone()], final)
 
 
 def test_final_hidden_state_replaces_only_its_own_row(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -28,7 +29,7 @@ def test_final_hidden_state_replaces_only_its_own_row(monkeypatch: pytest.Monkey
     tails = Tails(model, lambda r: r in failed)
     # Two requests in one forward: req a's last token sits at slot 3*16+5, b's at 7*16+5.
     slots = torch.tensor([3 * 16 + 4, 3 * 16 + 5, 7 * 16 + 4, 7 * 16 + 5, 99])
-    monkeypatch.setattr(tails_mod, "_step_slots", lambda: slots)
+    monkeypatch.setattr(tails_mod, "step_slots", lambda: slots)
     _kept(tails, "a", 3, torch.full((4,), 7.0))
     _kept(tails, "b", 7, torch.full((4,), 9.0))
     failed.add("b")  # a failed load keeps vLLM's own output
@@ -44,12 +45,12 @@ def test_final_hidden_state_replaces_only_its_own_row(monkeypatch: pytest.Monkey
 def test_missing_slot_or_closed_hook_leaves_vllms_output(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _Model()
     tails = Tails(model, lambda r: False)
-    monkeypatch.setattr(tails_mod, "_step_slots", lambda: torch.tensor([1, 2, 3]))
+    monkeypatch.setattr(tails_mod, "step_slots", lambda: torch.tensor([1, 2, 3]))
     _kept(tails, "a", 3, torch.full((4,), 7.0))
     assert torch.equal(model(torch.ones(3, 4)), torch.full((3, 4), 2.0))
     assert tails.placed == 0
     tails.close()
-    monkeypatch.setattr(tails_mod, "_step_slots", lambda: torch.tensor([3 * 16 + 5]))
+    monkeypatch.setattr(tails_mod, "step_slots", lambda: torch.tensor([3 * 16 + 5]))
     _kept(tails, "a", 3, torch.full((4,), 7.0))
     assert torch.equal(model(torch.ones(1, 4)), torch.full((1, 4), 2.0))
 

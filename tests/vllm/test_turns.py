@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
-from kmesh_blend.testing.engine import make_llm
-from kmesh_blend.vllm.worker_side import set_fault_injector, set_kv_capture
+from kmesh_blend.testing.engine import live_worker, make_llm
 from tests.vllm.family import DOC_LEN, kv_transfer_config, prompts
 
 pytestmark = pytest.mark.vllm
@@ -38,7 +37,8 @@ def _conversation(
         enable_prefix_caching=False,
     )
     captured: dict[str, torch.Tensor] = {}
-    set_kv_capture(lambda rid, kv: captured.__setitem__(rid.rsplit("-", 1)[0], kv.clone()))
+    hooks = live_worker().hooks
+    hooks.capture = lambda rid, kv: captured.__setitem__(rid.rsplit("-", 1)[0], kv.clone())
     try:
         family = prompts()
         (reader, reader_spans), (follow, spans) = family[0], family[1]
@@ -49,11 +49,11 @@ def _conversation(
         answer = list(first.outputs[0].token_ids)
         turn2 = follow + answer + [5, 17, 99, 1234, 42, 7, 300, 11]
         if fail_restore:
-            set_fault_injector(lambda load: "injected" if load.turn is not None else None)
+            hooks.fault = lambda load: "injected" if load.turn is not None else None
         if tamper is not None:
             tamper()
         second = llm.generate([{"prompt_token_ids": turn2}], _params(spans), use_tqdm=False)[0]
-        set_fault_injector(None)
+        hooks.fault = None
         plain = llm.generate([{"prompt_token_ids": turn2}], _params(None), use_tqdm=False)[0]
         kv = {
             f"kv_{name}": captured.get(out.request_id)
@@ -61,8 +61,6 @@ def _conversation(
         }
         return {"follow": follow, "first": first, "second": second, "plain": plain, **kv}
     finally:
-        set_kv_capture(None)
-        set_fault_injector(None)
         del llm
         gc.collect()
 

@@ -1,0 +1,86 @@
+"""One layer of one cascade decode step, on either implementation of the same math.
+
+`attend_kernel` runs the CPU kernel (`kmesh_blend.cpu.cascade_decode_op`: appends this step's
+K/V to each request's own rows, attends to them and to every master level, writes the output
+rows, in one call, K/V in the cache dtype); `attend_torch` does the same in plain torch on fp32
+copies (`kmesh_blend.attention.decode.decode_cascade`). Both read a `Step`: the requests
+decoding in cascade this step and their buffers (`kmesh_blend.vllm.cascade_buffers`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from kmesh_blend.attention.decode import MasterRows, decode_cascade
+from kmesh_blend.models.rope import RotaryEmbedding
+from kmesh_blend.vllm.cascade_buffers import Composition
+from kmesh_blend.vllm.seam.cpu_attention import KernelBatch
+
+__all__ = ["Heads", "Kernel", "Step", "attend_kernel", "attend_torch"]
+
+Kernel = Callable[..., object]  # torch.ops.kmesh_cpu.cascade_decode (see kmesh_blend/cpu)
+
+
+class Heads(NamedTuple):
+    """Attention heads of this rank: query heads, KV heads, head size."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class Step(NamedTuple):
+    """n requests decoding in cascade in one step."""
+
+    tokens: torch.Tensor  # [n] int64 query rows of the cascade requests
+    composition: Composition
+    generated: torch.Tensor  # [n] int64: generated rows before this step's token
+    others: tuple[torch.Tensor, KernelBatch] | None  # the step's other requests, for vLLM
+    rows: torch.Tensor  # [n] int64: 0..n-1
+
+
+def attend_kernel(kernel: Kernel, index: int, step: Step, query: torch.Tensor,
+                  key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, heads: Heads,
+                  scale: float) -> None:  # fmt: skip
+    """Layer ``index`` on the CPU kernel: query [t, H·D], key / value [t, Hkv·D] of the whole
+    step; writes the cascade requests' rows of ``out`` [t, H, D]."""
+    buffers = step.composition.layers[index]
+    own_k, own_v = buffers.own
+    width = own_k.shape[2] * 16
+    composition, cols = step.composition, buffers.first_free + step.generated
+    num_heads, kv_heads, dim = heads
+    masters, starts = composition.masters, [width]
+    for m, _ in masters:
+        starts.append(starts[-1] + m.size)
+    kernel(
+        out, step.tokens, query.view(-1, num_heads, dim), key.view(-1, kv_heads, dim),
+        value.view(-1, kv_heads, dim), own_k, own_v, buffers.bias[:, :width], cols,
+        [m.k_t[index] for m, _ in masters], [m.v[index] for m, _ in masters],
+        [buffers.bias[:, a:b] for a, b in itertools.pairwise(starts)], composition.rotations,
+        scale,
+    )  # fmt: skip
+
+
+def attend_torch(index: int, step: Step, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, heads: Heads, rope: RotaryEmbedding,
+                 scale: float) -> torch.Tensor:  # fmt: skip
+    """Layer ``index`` in plain torch: this step's token of every cascade request joins its
+    own rows, then attends; → [n, H, D] fp32."""
+    buffers = step.composition.layers[index]
+    rows = step.rows
+    cols = buffers.first_free + step.generated
+    shape = (rows.numel(), heads.num_kv_heads, heads.head_dim)
+    buffers.own.k_t[rows, :, :, cols] = key[step.tokens].reshape(shape).float()
+    buffers.own.v[rows, :, cols] = value[step.tokens].reshape(shape).float()
+    buffers.bias[rows, cols] = 0.0
+    query_f32 = query[step.tokens].float()
+    masters = [
+        # The same −Δ tensor every layer: the rotary tables are memoized for it.
+        MasterRows(m.k_t[index], m.v[index], rope.apply(query_f32, back))
+        for m, back in step.composition.masters
+    ]
+    return decode_cascade(query_f32, buffers.own, masters, buffers.bias, scale)

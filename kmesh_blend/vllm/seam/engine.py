@@ -1,0 +1,164 @@
+"""The engine around the model: forward context, output hook, tensor parallelism, settings (seam).
+
+- `step_slots`: the paged-cache slot of every token of the current forward (forward context);
+- `hook_model_output`: a forward hook on the loaded model (the prompt tail's final hidden state
+  is placed into its output before vLLM's sampler reads it);
+- `tp_shard`, `tp_world_size`, `all_reduce`: tensor parallelism;
+- `recompute_failed_loads`: sets ``kv_load_failure_policy = "recompute"``;
+- `attention_layers`, `in_model_order`: the attention layers by name (the static forward
+  context), their names in model order;
+- `swapped_forwards`: modules' ``forward`` replaced for the duration of a start-up check;
+- `installed_version`, `drop_leaked_connector`, `worker_connector` (in-process engines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from kmesh_blend.vllm.seam import REPORT
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    from kmesh_blend.vllm.seam.cpu_attention import AttnLayer
+
+__all__ = [
+    "all_reduce", "attention_layers", "drop_leaked_connector", "hook_model_output",
+    "in_model_order", "installed_version", "recompute_failed_loads", "step_slots",
+    "swapped_forwards", "tp_shard", "tp_world_size", "worker_connector",
+]  # fmt: skip
+
+OutputHook = Callable[[torch.Tensor], None]  # the model's output [T, E], changed in place
+
+
+def step_slots() -> torch.Tensor | None:
+    """[num_tokens] int64: the paged-cache slot of every token of the current forward, or None
+    outside a forward (or when vLLM keeps it elsewhere)."""
+    try:
+        from vllm.forward_context import get_forward_context
+
+        ctx = get_forward_context()
+    except Exception:
+        return None
+    for source in (getattr(ctx, "slot_mapping", None), getattr(ctx, "attn_metadata", None)):
+        if isinstance(source, dict):
+            for item in source.values():
+                slots = getattr(item, "slot_mapping", item)  # a tensor, or attention metadata
+                if isinstance(slots, torch.Tensor):
+                    return slots
+    return None
+
+
+def hook_model_output(model: torch.nn.Module, fn: OutputHook) -> Callable[[], None]:
+    """Call ``fn(output)`` after every forward of ``model`` whose output is one [T, E] tensor
+    (not a pipeline stage's intermediate tensors); returns the hook's remover."""
+
+    def after(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.dim() == 2:
+            fn(output)
+
+    handle = model.register_forward_hook(after)
+    REPORT.note_changed("model forward", "output hook (the blended prompt tail's hidden state)")
+    return handle.remove
+
+
+def tp_shard(vllm_config: VllmConfig) -> tuple[int, int]:
+    """(rank, world size) of this worker in tensor parallelism."""
+    world = vllm_config.parallel_config.tensor_parallel_size
+    if world == 1:
+        return 0, 1
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank()), world
+
+
+def tp_world_size() -> int:
+    """Tensor-parallel world size; 1 outside an engine (no parallel state)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return int(get_tensor_model_parallel_world_size())
+    except Exception:
+        return 1
+
+
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor`` over the tensor-parallel ranks."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(tensor.contiguous())
+
+
+def recompute_failed_loads(kv_transfer_config: KVTransferConfig) -> bool:
+    """Set ``kv_load_failure_policy = "recompute"`` (the scheduler reads it right after building
+    its connector); whether it changed."""
+    if kv_transfer_config.kv_load_failure_policy == "recompute":
+        return False
+    kv_transfer_config.kv_load_failure_policy = "recompute"
+    REPORT.note_changed("kv_load_failure_policy", "recompute")
+    return True
+
+
+def in_model_order(layer_names: Iterable[str]) -> list[str]:
+    """Attention layer names (``model.layers.<i>.self_attn.attn``) sorted by layer index."""
+
+    def index(name: str) -> int:
+        match = re.search(r"layers\.(\d+)\.", name)
+        return int(match.group(1)) if match else -1
+
+    return sorted(layer_names, key=index)
+
+
+def attention_layers(vllm_config: VllmConfig) -> dict[str, AttnLayer]:
+    """This engine's attention layers by name."""
+    layers = vllm_config.compilation_config.static_forward_context
+    REPORT.note_found("attention layers", f"{len(layers)} in the static forward context")
+    return cast("dict[str, AttnLayer]", layers)
+
+
+@contextlib.contextmanager
+def swapped_forwards(modules: list[torch.nn.Module], fn: Callable[..., Any]) -> Iterator[None]:
+    """Each module's ``forward`` is ``fn`` inside the block, its own again after it."""
+    try:
+        for module in modules:
+            module.forward = fn
+        yield
+    finally:
+        for module in modules:
+            module.__dict__.pop("forward", None)
+
+
+def installed_version() -> str:
+    import vllm
+
+    version = str(getattr(vllm, "__version__", "unknown"))
+    REPORT.note_found("vLLM", version)
+    return version
+
+
+def drop_leaked_connector() -> bool:
+    """Whether an in-process engine left vLLM's process-wide KV connector behind, and drop it.
+    False when vLLM was never imported."""
+    import sys
+
+    state = sys.modules.get("vllm.distributed.kv_transfer.kv_transfer_state")
+    if state is None or not state.has_kv_transfer_group():
+        return False
+    state.ensure_kv_transfer_shutdown()
+    return True
+
+
+def worker_connector() -> object | None:
+    """The KV connector vLLM built for this process's worker, or None. Only an in-process
+    engine has one here: tests and benchmarks reach their worker's hooks this way."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
