@@ -1,11 +1,12 @@
-"""The application notice: a follow-up's wait for its masters with vs without a ``prepare``.
+"""The application notice: a follow-up's wait for its masters with vs without a notice (one
+request of its family sent ahead: every request with a ``family`` holds its segments for it).
 
 Real SmolLM2-135M-Instruct (bf16) through real vLLM with KMesh on an ``lm://`` store (LMCache's
 server as a separate process, started here). A first engine reads 2·N real-text documents
 (sections of the Python Reference, a different set per document) and stores their masters, then
 exits. A second engine (host-RAM retention empty, as after a restart or on another replica)
 serves, for each pair of documents, one chat follow-up of the first document as is, and one of
-the second after a ``"prepare": true`` request of its family (sent ahead, not timed). Measured
+the second after a request of its family that reads the document (sent ahead, not timed). Measured
 side by side in that engine: the follow-up's ``load_ms`` (its report: time spent getting its
 masters) and its TTFT (``max_tokens=1``).
 
@@ -79,7 +80,7 @@ def main() -> None:
             rows["without"].append(_ask(llm, plain_doc[0], {"segments": plain_doc[1],
                                                             "family": f"a{i}"}))  # fmt: skip
             _ask(llm, readers[2 * i + 1][0], {"segments": readers[2 * i + 1][1],
-                                              "family": f"b{i}", "prepare": True})  # fmt: skip
+                                              "family": f"b{i}"}, notice=True)  # fmt: skip
             rows["with"].append(_ask(llm, prepared_doc[0], {"segments": prepared_doc[1],
                                                             "family": f"b{i}"}))  # fmt: skip
             print(f"pair {i}: without notice load {rows['without'][-1][0]:.1f} ms, TTFT "
@@ -94,11 +95,11 @@ def main() -> None:
     ttft = {k: statistics.median(r[1] for r in v) for k, v in rows.items()}
     emit({
         "name": "notice",
-        "metric": "follow-up load_ms with prepare / without (median)",
+        "metric": "follow-up load_ms with notice / without (median)",
         "value": round(load["with"] / load["without"], 4),
         "unit": "x",
         "goal": 0.5,
-        "baseline": "the same engine, a follow-up whose family sent no prepare",
+        "baseline": "the same engine, a follow-up whose family sent no notice",
         "quick": args.quick,
         "config": {"model": "SmolLM2-135M-Instruct bf16", "store": "lm:// (LMCache server)",
                    "allocator": allocator,
@@ -108,8 +109,10 @@ def main() -> None:
     })  # fmt: skip
 
 
-def _ask(llm: Any, ids: list[int], kmesh: dict[str, Any] | None) -> tuple[float, float]:
-    """(the report's load_ms, TTFT in s) of one request with ``max_tokens=1``."""
+def _ask(llm: Any, ids: list[int], kmesh: dict[str, Any] | None,
+         notice: bool = False) -> tuple[float, float]:  # fmt: skip
+    """(the report's load_ms, TTFT in s) of one request with ``max_tokens=1``; a follow-up
+    (not a ``notice``) must reuse its document."""
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": {"kmesh": kmesh}} if kmesh else None
@@ -118,12 +121,7 @@ def _ask(llm: Any, ids: list[int], kmesh: dict[str, Any] | None) -> tuple[float,
     (out,) = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
     spent = time.perf_counter() - start
     report = (out.kv_transfer_params or {}).get("kmesh", {})
-    if (
-        kmesh
-        and kmesh.get("family")
-        and not kmesh.get("prepare")
-        and not report.get("reused_tokens")
-    ):
+    if kmesh and kmesh.get("family") and not notice and not report.get("reused_tokens"):
         raise RuntimeError(f"a follow-up did not reuse its document: {report}")
     return float(report.get("load_ms", 0.0)), spent
 

@@ -2,11 +2,11 @@
 
 N agents discuss for R rounds. In round r every agent's prompt is its own role text, then the N
 outputs of round r−1 (each one a shared segment), then a question. Before the agents of a round
-start, the application sends one *prepare* request holding those N outputs as segments, so their
-KV is computed and stored once and held for the round's family (the last agent closes it);
+start, the application sends one request (the notice) holding those N outputs as segments, so
+their KV is computed and stored once and held for the round's family (the last agent closes it);
 the N agents then each reuse all of it (their outputs sit at different offsets after different
 role texts). Per round it prints the agents' reuse and the
-latency of the prepare request and of the agents' batch.
+latency of the notice request and of the agents' batch.
 
 Run: ``.venv/bin/python examples/all_gather.py [--agents 4] [--rounds 3] [--model PATH]``
 (default model: the embedded tiny Llama; any local Llama/Qwen2/Qwen3 checkpoint works).
@@ -64,7 +64,7 @@ def main() -> None:
         t0 = time.perf_counter()
         prep = llm.generate(
             [{"prompt_token_ids": shared + question}],
-            _params(SamplingParams, spans, rnd, max_tokens=1, prepare=True),
+            _params(SamplingParams, spans, rnd, max_tokens=1),
             use_tqdm=False,
         )[0]
         prepare_s = time.perf_counter() - t0
@@ -107,14 +107,12 @@ def _params(
     spans: list[list[int]],
     rnd: int,
     max_tokens: int,
-    prepare: bool = False,
     close: bool = False,
 ) -> Any:
-    """One family per round: its prepare request holds the round's outputs in host RAM for the
-    agents; the last agent closes it, and rounds older than ``kmesh.round_lifetime`` (default 2)
+    """One family per round: its first request (the notice) holds the round's outputs in host
+    RAM for the agents; the last agent closes it, and rounds older than ``kmesh.round_lifetime`` (default 2)
     are deleted from the store."""
-    kmesh = {"segments": spans, "family": f"round-{rnd}", "round": rnd, "prepare": prepare,
-             "close": close}  # fmt: skip
+    kmesh = {"segments": spans, "family": f"round-{rnd}", "round": rnd, "close": close}
     return cls(
         temperature=0.0, max_tokens=max_tokens, extra_args={"kv_transfer_params": {"kmesh": kmesh}}
     )

@@ -3,7 +3,7 @@
 A request names its shared segments as half-open token spans of its prompt (docs/contract.md)::
 
     {"kmesh": {"segments": [[start, end], ...], "family": "doc-42", "round": 0,
-               "prepare": false, "keep": false, "close": false,
+               "keep": false, "close": false,
                "recompute_ratio": 0.3, "sink_tokens": 16}}
 
 or, for clients that cannot send parameters, a configured separator token sequence splits the
@@ -41,8 +41,13 @@ Span = tuple[int, int]
 """A half-open token span ``(start, end)`` of the prompt, ``0 <= start < end <= num_tokens``."""
 
 KNOWN_FIELDS: tuple[str, ...] = (
-    "segments", "family", "round", "prepare", "keep", "close", "recompute_ratio", "sink_tokens",
+    "segments", "family", "round", "keep", "close", "recompute_ratio", "sink_tokens",
 )  # fmt: skip
+# Fields an earlier release took, with what to do instead.
+REMOVED_FIELDS = {
+    "prepare": "removed: every request with a 'family' holds its segments in host RAM for the "
+    "family; send one ahead of the follow-ups instead",
+}
 MAX_FAMILY_LEN = 256
 MAX_ROUND = (1 << 63) - 1  # a round is a signed 64-bit int wherever it travels
 _SPANS_VALID = (
@@ -69,8 +74,6 @@ class Annotation:
     spans: tuple[Span, ...]
     family: str | None = None
     round: int | None = None
-    prepare: bool = False
-    """Application notice: prepare the family's segments now (see `kmesh_blend.segments.notice`)."""
     keep: bool = False
     """Keep the prompt's KV as mirrors so the next turn restores it (`kmesh_blend.vllm.turns`)."""
     source: Literal["params", "separator"] = "params"
@@ -113,7 +116,7 @@ def parse_request(
     ``kv_transfer_params``: the request's dict (or ``None``); only its ``"kmesh"`` entry is read.
     ``token_ids`` [num_tokens] and ``separator`` are used when a separator is configured
     (separator mode) and the request has no ``"kmesh"`` entry, or one without ``"segments"``
-    (it then carries only ``family`` / ``round`` / ``prepare`` / ``keep`` / ``close`` and the
+    (it then carries only ``family`` / ``round`` / ``keep`` / ``close`` and the
     request's own ``recompute_ratio`` / ``sink_tokens``).
     """
     try:
@@ -157,6 +160,9 @@ def parse_annotation(kmesh: object, num_tokens: int, max_model_len: int) -> Anno
             f"kmesh={kmesh!r} is not a dict; valid: {{'segments': [[start, end], ...], ...}}",
             field="kmesh",
         )
+    removed = next((str(k) for k in kmesh if k in REMOVED_FIELDS), None)
+    if removed is not None:
+        raise AnnotationError(f"{removed}: {REMOVED_FIELDS[removed]}", field=removed)
     unknown = sorted(str(k) for k in kmesh if k not in KNOWN_FIELDS)
     if unknown:
         names = ", ".join(repr(k) for k in unknown)
@@ -179,11 +185,6 @@ def parse_annotation(kmesh: object, num_tokens: int, max_model_len: int) -> Anno
         raise AnnotationError(
             f"round={_clip(round_)}; valid: an int in [0, {MAX_ROUND}]", field="round"
         )
-    prepare = kmesh.get("prepare", False)
-    if not isinstance(prepare, bool):
-        raise AnnotationError(f"prepare={prepare!r}; valid: true or false", field="prepare")
-    if prepare and family is None:
-        raise AnnotationError("prepare=true needs a 'family' to prepare", field="prepare")
     keep = kmesh.get("keep", False)
     if not isinstance(keep, bool):
         raise AnnotationError(f"keep={keep!r}; valid: true or false", field="keep")
@@ -201,7 +202,7 @@ def parse_annotation(kmesh: object, num_tokens: int, max_model_len: int) -> Anno
     if sinks is not None and (not _is_int(sinks) or sinks < 0):
         raise AnnotationError(f"sink_tokens={sinks!r}; valid: an int >= 0", field="sink_tokens")
     return Annotation(
-        spans, family, round_, prepare, keep, close=close,
+        spans, family, round_, keep, close=close,
         recompute_ratio=None if ratio is None else float(ratio),
         sink_tokens=None if sinks is None else int(sinks),
     )  # fmt: skip

@@ -54,7 +54,7 @@ class Encoded(NamedTuple):
     spans: list[Span]
 
     def kv_transfer_params(
-        self, *, family: str | None = None, round: int | None = None, prepare: bool = False,
+        self, *, family: str | None = None, round: int | None = None,
         recompute_ratio: float | None = None, sink_tokens: int | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """The ``kv_transfer_params`` dict of docs/contract.md for this prompt (``None`` / false
@@ -63,8 +63,6 @@ class Encoded(NamedTuple):
         optional = {"family": family, "round": round, "recompute_ratio": recompute_ratio,
                     "sink_tokens": sink_tokens}  # fmt: skip
         kmesh.update({k: v for k, v in optional.items() if v is not None})
-        if prepare:
-            kmesh["prepare"] = True
         return {"kmesh": kmesh}
 
 

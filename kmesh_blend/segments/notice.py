@@ -1,9 +1,10 @@
 """Application notice: prepare a family's segments before its follow-ups arrive.
 
 An application that knows follow-ups are coming (an agent framework about to fan out, a chat
-front-end that just received a document) calls `Notice.prepare` — or sets ``"prepare": true`` in
-a request's ``kv_transfer_params["kmesh"]`` — and the family's masters are read into host RAM and
-pinned for the family's lifetime. The follow-ups then find them retained (no read, no wait) or
+front-end that just received a document) calls `Notice.prepare` (the artifacts library's
+`ArtifactStore.prepare`) and the family's masters are read into host RAM and pinned for the
+family's lifetime. (In serving, any request with a ``family`` does this for its segments: one sent
+ahead of the follow-ups is the notice.) The follow-ups then find them retained (no read, no wait) or
 join the preparation's in-flight read (singleflight). Preparation time is accounted on its own
 (`PrepareReport`, ``prepare_seconds`` metric), never in the follow-ups' waiting time.
 """
@@ -15,7 +16,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
-from kmesh_blend.segments.annotation import Annotation
 from kmesh_blend.segments.cache import SegmentCache
 from kmesh_blend.segments.identity import SegmentId
 
@@ -61,14 +61,6 @@ class Notice:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kmesh-notice")
         return self._pool.submit(self.prepare, family, list(segment_ids))
-
-    def on_request(
-        self, annotation: Annotation | None, segment_ids: Sequence[SegmentId]
-    ) -> Future[PrepareReport] | None:
-        """Engine hook: start a preparation if the request carries ``"prepare": true``."""
-        if annotation is None or not annotation.prepare or annotation.family is None:
-            return None
-        return self.prepare_async(annotation.family, segment_ids)
 
     def close(self) -> None:
         if self._pool is not None:

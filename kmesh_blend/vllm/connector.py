@@ -102,7 +102,8 @@ class KMeshConnector(KVConnectorBase_V1):
                 batch_order(vllm_config),
             )
         log.info("kmesh: %s side ready (%s)", role.name.lower(), self.config)
-        log_report()
+        if self.scheduler is not None:
+            log_report()  # a worker in this process has logged it after its KV caches
 
     # --- scheduler side -------------------------------------------------------------------------
 
@@ -135,6 +136,7 @@ class KMeshConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
+        log_report()  # what the seam found and changed, cascade decode's routing included
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: object) -> None:
         meta = self._get_connector_metadata()

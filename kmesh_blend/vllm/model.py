@@ -46,7 +46,8 @@ class VllmModel:
     ``nn.Module``; its decoder under ``model.model``). Shapes are this rank's: under tensor
     parallelism ``num_heads`` / ``num_kv_heads`` are the local shard's."""
 
-    def __init__(self, model: Any, hf_config: PretrainedConfig, dtype: torch.dtype) -> None:
+    def __init__(self, model: Any, hf_config: PretrainedConfig,
+                 dtype: torch.dtype) -> None:  # fmt: skip
         self.model = model
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_input_ids"):
@@ -219,7 +220,7 @@ def adapt(model: torch.nn.Module | None, hf_config: PretrainedConfig,
     reason = unsupported_vllm()
     if reason is None and model is None:
         reason = "the loaded model was not reachable (is the kmesh_blend vLLM plugin enabled?)"
-    if reason is None:
+    if reason is None and model is not None:
         try:
             adapter = VllmModel(model, hf_config, dtype)
         except Exception as exc:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kmesh_blend.config import KMeshConfig
-from kmesh_blend.segments.annotation import parse_request
+from kmesh_blend.segments.annotation import Annotation, parse_request
 from kmesh_blend.segments.identity import Namespace, SegmentId, segment_ids
 from kmesh_blend.vllm.meta import (
     VLLM_TAIL,
@@ -33,6 +33,7 @@ from kmesh_blend.vllm.stats import Payload
 from kmesh_blend.vllm.turn_registry import HEAD, TurnRegistry
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
     from vllm.v1.request import Request
 
     from kmesh_blend.vllm.seam.blocks import StepRequest
@@ -158,7 +159,7 @@ class SchedulerSide:
         log.warning("kmesh: request %s runs without reuse: %s", req_id, reason)
 
     def _plan_reuse(
-        self, annotation: Any, namespace: Namespace, plan: Plan, num_computed: int,
+        self, annotation: Annotation, namespace: Namespace, plan: Plan, num_computed: int,
         skip_reading: bool,
     ) -> int:  # fmt: skip
         """Fill ``plan``'s loads, saves and turn; the tokens the worker will provide.
@@ -226,7 +227,7 @@ class SchedulerSide:
             plan.pending_load = False
             meta.loads.append(plan.load_request(req_id))
 
-    def on_worker_output(self, worker_meta: Any) -> None:
+    def on_worker_output(self, worker_meta: KVConnectorWorkerMetadata | None) -> None:
         if not isinstance(worker_meta, KMeshWorkerMetadata):
             return
         if worker_meta.disabled is not None:

@@ -50,8 +50,7 @@ def test_unannotated_request_is_not_a_fallback() -> None:
         ({"segments": [[0, 3]], "round": -1}, "round="),
         ({"segments": [[0, 3]], "round": 2**63}, "round=9223372036854775808; valid: an int in"),
         ({"segments": [[0, 3]], "round": 10**400}, "chars); valid"),
-        ({"segments": [[0, 3]], "prepare": "yes"}, "prepare="),
-        ({"segments": [[0, 3]], "prepare": True}, "needs a 'family'"),
+        ({"segments": [[0, 3]], "prepare": True}, "prepare: removed: every request with a"),
         ({"segments": [[0, 3]], "close": 1}, "close="),
         ({"segments": [[0, 3]], "close": True}, "needs the 'family'"),
         ({"segments": [[0, 3]], "recompute_ratio": 1.5}, "recompute_ratio=1.5"),
@@ -127,11 +126,11 @@ def test_separator_mode_takes_segments_from_separators_when_the_annotation_has_n
             params, len(ids), max_model_len=100, token_ids=ids, separator=separator
         )
 
-    got = parse({"family": "doc-1", "round": 2, "prepare": True, "close": True})
+    got = parse({"family": "doc-1", "round": 2, "close": True})
     assert got.annotation is not None and got.fallback is None  # type: ignore[attr-defined]
     a = got.annotation  # type: ignore[attr-defined]
     assert a.spans == ((0, 2), (3, 5)) and a.source == "separator"
-    assert (a.family, a.round, a.prepare, a.close) == ("doc-1", 2, True, True)
+    assert (a.family, a.round, a.close) == ("doc-1", 2, True)
     assert parse({}).annotation.spans == ((0, 2), (3, 5))  # type: ignore[attr-defined]
     assert "round" in parse({"round": -1}).fallback  # type: ignore[attr-defined]
     # without a separator configured, segments stay required

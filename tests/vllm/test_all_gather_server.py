@@ -1,8 +1,8 @@
 """All-Gather through the OpenAI-compatible server: 20 rounds × 4 agents, ``round_lifetime`` 2.
 
 In round r each agent's prompt is its own role, then the 4 outputs of round r−1 (each a shared
-segment), then a question. A ``prepare`` request of the round's family stores the outputs once;
-the agents reuse them at their own offsets; the last agent closes the family. Checked over HTTP
+segment), then a question. A first request of the round's family (the notice) stores the
+outputs once; the agents reuse them at their own offsets; the last agent closes the family. Checked over HTTP
 and in Redis: reuse in every round; retired rounds' masters are gone from the store (at most
 ``lifetime`` rounds of outputs stay, plus the current one); the registry gauges on ``/metrics``
 stay within the same bound.
@@ -60,8 +60,7 @@ def test_all_gather_rounds_reuse_and_stay_bounded(redis_server: str, tmp_path: P
             shared = [t for out in outputs for t in out]
             shared_lens.append(len(shared))
             spans = _spans(outputs, 0)
-            complete(shared + question, {"segments": spans, "family": family, "round": rnd,
-                                         "prepare": True}, 1)  # fmt: skip
+            complete(shared + question, {"segments": spans, "family": family, "round": rnd}, 1)
             replies = []
             for i, role in enumerate(roles):
                 kmesh = {"segments": _spans(outputs, len(role)), "family": family, "round": rnd,

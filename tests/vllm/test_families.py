@@ -66,7 +66,7 @@ def test_rounds_retire_masters_and_families_hold_them_until_closed(redis_server:
 
 def test_a_prepared_family_reads_nothing_in_its_follow_ups(redis_server: str) -> None:
     """Another engine stored the document; this engine's follow-ups read it from Redis unless a
-    ``prepare`` request of their family read it first (then they read nothing)."""
+    request of their family sent ahead (the notice) read it first (then they read nothing)."""
     doc = prompts(seed=23)
 
     def ask(llm: Any, i: int, **fields: Any) -> Out:
@@ -76,9 +76,7 @@ def test_a_prepared_family_reads_nothing_in_its_follow_ups(redis_server: str) ->
     unprepared = _engine(lambda llm: [ask(llm, i, family="f1") for i in (1, 2)],
                          store=redis_server)  # fmt: skip
     prepared = _engine(
-        lambda llm: (
-            [ask(llm, 3, family="f2", prepare=True)] + [ask(llm, i, family="f2") for i in (1, 2)]
-        ),
+        lambda llm: [ask(llm, 3, family="f2")] + [ask(llm, i, family="f2") for i in (1, 2)],
         store=redis_server,
     )
     assert [r["storage_reads"] for _, r in unprepared] == [1, 0]  # the first follow-up reads

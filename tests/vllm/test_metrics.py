@@ -85,3 +85,8 @@ def test_reuse_counters_and_registry_sizes_on_vllm_metrics(tmp_path: Path) -> No
     assert _metric(text, "vllm:kmesh_plans") == 0  # every finished request's plan is gone
     assert _metric(text, "vllm:kmesh_indexed_segments") == 1
     assert _metric(text, "vllm:kmesh_store_up") == 1
+    # What the seam found in vLLM and changed there, once, as an info metric.
+    seam = [line for line in text.splitlines() if line.startswith("vllm:kmesh_vllm_seam_info{")]
+    assert len(seam) == 1 and seam[0].endswith(" 1.0"), seam
+    assert "vLLM: " in seam[0] and "model: " in seam[0], seam[0]
+    assert "kv_load_failure_policy: recompute" in seam[0] or "load_model: wrapped" in seam[0]

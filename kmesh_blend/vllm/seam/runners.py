@@ -22,11 +22,17 @@ import inspect
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from kmesh_blend.vllm.seam import REPORT
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 __all__ = ["BatchOrder", "batch_order", "loaded_model", "register"]
 
@@ -38,9 +44,9 @@ _RUNNERS = {
 }
 # Weak: an engine's model (and, through the cascade decode path installed on its attention
 # layers, its KV cache) must go with the engine, not live as long as the process.
-_models: dict[int, weakref.ref[Any]] = {}  # id(VllmConfig) → loaded model
-_last: list[weakref.ref[Any]] = []  # the most recently loaded model in this process
-_runners: dict[int, weakref.ref[Any]] = {}  # id(VllmConfig) → the runner that loaded it
+_models: dict[int, weakref.ref[torch.nn.Module]] = {}  # id(VllmConfig) → loaded model
+_last: list[weakref.ref[torch.nn.Module]] = []  # the most recently loaded model in this process
+_runners: dict[int, weakref.ref[object]] = {}  # id(VllmConfig) → the runner that loaded it
 _lock = threading.Lock()
 _registered = False
 
@@ -57,7 +63,7 @@ def register() -> None:
     REPORT.note_found("plugin", "registered")
 
 
-def loaded_model(vllm_config: Any) -> Any | None:
+def loaded_model(vllm_config: VllmConfig) -> torch.nn.Module | None:
     """The model loaded for ``vllm_config`` in this process, or None.
 
     Falls back to the single model this process loaded, then to a model runner on the caller's
@@ -79,7 +85,7 @@ def loaded_model(vllm_config: Any) -> Any | None:
 BatchOrder = Callable[[int], "list[str] | None"]
 
 
-def batch_order(vllm_config: Any) -> BatchOrder | None:
+def batch_order(vllm_config: VllmConfig) -> BatchOrder | None:
     """``ids(n)``: the step's first n request ids in the order of its attention metadata (the
     runner's ``input_batch.req_ids``), None when unreadable; None without a recorded runner.
     Holds the runner weakly (the runner reaches the connector)."""
@@ -132,7 +138,7 @@ def _wrap_runner(module: ModuleType, class_name: str) -> None:
     REPORT.note_changed(f"{class_name}.load_model", "wrapped to record the loaded model")
 
 
-def _runner_on_stack() -> Any | None:
+def _runner_on_stack() -> torch.nn.Module | None:
     """A model runner held by a frame that called us (a worker's ``self.model_runner``)."""
     frame = inspect.currentframe()
     try:
@@ -164,7 +170,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def __init__(self, name: str, fn: Callable[[ModuleType], None]) -> None:
         self.name, self.fn = name, fn
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:  # fmt: skip
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)
