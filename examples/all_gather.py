@@ -110,8 +110,8 @@ def _params(
     close: bool = False,
 ) -> Any:
     """One family per round: its first request (the notice) holds the round's outputs in host
-    RAM for the agents; the last agent closes it, and rounds older than ``kmesh.round_lifetime`` (default 2)
-    are deleted from the store."""
+    RAM for the agents; the last agent closes it, and rounds older than
+    ``kmesh.round_lifetime`` (default 2) are deleted from the store."""
     kmesh = {"segments": spans, "family": f"round-{rnd}", "round": rnd, "close": close}
     return cls(
         temperature=0.0, max_tokens=max_tokens, extra_args={"kv_transfer_params": {"kmesh": kmesh}}

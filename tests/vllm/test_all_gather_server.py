@@ -1,11 +1,11 @@
 """All-Gather through the OpenAI-compatible server: 20 rounds × 4 agents, ``round_lifetime`` 2.
 
 In round r each agent's prompt is its own role, then the 4 outputs of round r−1 (each a shared
-segment), then a question. A first request of the round's family (the notice) stores the
-outputs once; the agents reuse them at their own offsets; the last agent closes the family. Checked over HTTP
-and in Redis: reuse in every round; retired rounds' masters are gone from the store (at most
-``lifetime`` rounds of outputs stay, plus the current one); the registry gauges on ``/metrics``
-stay within the same bound.
+segment), then a question. A first request of the round's family (the notice) stores the outputs
+once; the agents reuse them at their own offsets; the last agent closes the family. Checked over
+HTTP and in Redis: reuse in every round; retired rounds' masters are gone from the store (at most
+``lifetime`` rounds of outputs stay, plus the current one); the registry gauges on ``/metrics`` stay
+within the same bound.
 """
 
 from __future__ import annotations
