@@ -6,6 +6,7 @@ All settings arrive through vLLM's ``kv_connector_extra_config`` dict, under key
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from collections.abc import Mapping
@@ -18,24 +19,6 @@ Schedule = Literal["layer_sync", "sequential"]
 Deviation = Literal["k", "v", "kv"]
 
 PREFIX = "kmesh."
-KNOWN_KEYS: tuple[str, ...] = (
-    "kmesh.store",
-    "kmesh.recompute_ratio",
-    "kmesh.check_layers",
-    "kmesh.sink_tokens",
-    "kmesh.selection",
-    "kmesh.schedule",
-    "kmesh.deviation",
-    "kmesh.round_lifetime",
-    "kmesh.max_round_jump",
-    "kmesh.retention_bytes",
-    "kmesh.singleflight_timeout_s",
-    "kmesh.separator",
-    "kmesh.store_cpu_bytes",
-    "kmesh.store_timeout_s",
-    "kmesh.compress_mirrors",
-    "kmesh.cascade_decode",
-)
 
 
 class ConfigError(ValueError):
@@ -201,23 +184,16 @@ class KMeshConfig:
     def to_extra_config(self) -> dict[str, object]:
         """The ``kmesh.*`` entries that rebuild this config via :meth:`from_extra_config`."""
         return {
-            "kmesh.store": self.store,
-            "kmesh.recompute_ratio": self.recompute_ratio,
-            "kmesh.check_layers": list(self.check_layers),
-            "kmesh.sink_tokens": self.sink_tokens,
-            "kmesh.selection": self.selection,
-            "kmesh.schedule": self.schedule,
-            "kmesh.deviation": self.deviation,
-            "kmesh.round_lifetime": self.round_lifetime,
-            "kmesh.max_round_jump": self.max_round_jump,
-            "kmesh.retention_bytes": self.retention_bytes,
-            "kmesh.singleflight_timeout_s": self.singleflight_timeout_s,
-            "kmesh.separator": list(self.separator),
-            "kmesh.store_cpu_bytes": self.store_cpu_bytes,
-            "kmesh.store_timeout_s": self.store_timeout_s,
-            "kmesh.compress_mirrors": self.compress_mirrors,
-            "kmesh.cascade_decode": self.cascade_decode,
+            PREFIX + f.name: list(value) if isinstance(value, tuple) else value
+            for f in dataclasses.fields(self)
+            if f.init and (value := getattr(self, f.name)) is not None
         }
+
+
+# Every setting, in the order of `KMeshConfig`'s fields (the one source of the settings table).
+KNOWN_KEYS: tuple[str, ...] = tuple(
+    PREFIX + f.name for f in dataclasses.fields(KMeshConfig) if f.init
+)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,3 +34,10 @@ def test_ruff_format() -> None:
 @pytest.mark.timeout(600)
 def test_mypy_package() -> None:
     _run(_tool("mypy"))
+
+
+def test_package_files_stay_small() -> None:
+    """Each concept has one owner file of at most ~300 lines (the C++ kernel aside)."""
+    sizes = {p: len(p.read_text().splitlines()) for p in (ROOT / "kmesh_blend").rglob("*.py")}
+    big = {str(p.relative_to(ROOT)): n for p, n in sizes.items() if n > 300}
+    assert not big, big

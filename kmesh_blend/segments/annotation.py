@@ -24,18 +24,10 @@ from typing import Literal, NamedTuple
 from kmesh_blend.config import ratio_problem
 
 __all__ = [
-    "KNOWN_FIELDS",
-    "MAX_FAMILY_LEN",
-    "MAX_ROUND",
-    "Annotation",
-    "AnnotationError",
-    "ParsedRequest",
-    "Span",
-    "parse_annotation",
-    "parse_request",
-    "split_on_separator",
+    "KNOWN_FIELDS", "MAX_FAMILY_LEN", "MAX_ROUND", "Annotation", "AnnotationError",
+    "ParsedRequest", "Span", "parse_annotation", "parse_request", "split_on_separator",
     "validate_spans",
-]
+]  # fmt: skip
 
 Span = tuple[int, int]
 """A half-open token span ``(start, end)`` of the prompt, ``0 <= start < end <= num_tokens``."""

@@ -25,8 +25,7 @@ from kmesh_blend.segments.singleflight import SingleFlight, SingleFlightError, S
 if TYPE_CHECKING:
     import torch
 
-    from kmesh_blend.segments.master import Master
-    from kmesh_blend.segments.store import MasterStore
+    from kmesh_blend.segments.master import Master, MasterStore
 
 __all__ = ["FetchResult", "SegmentCache"]
 

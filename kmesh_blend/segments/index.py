@@ -25,76 +25,13 @@ States: ``COLD`` (master only in the backing tier) → ``LOADING`` (a read in fl
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
+from kmesh_blend.segments.entries import ALLOWED_TRANSITIONS, Entry, SegmentInfo, SegmentState
 from kmesh_blend.segments.identity import SegmentId
 
 __all__ = ["SegmentIndex", "SegmentInfo", "SegmentState"]
-
-
-class SegmentState(enum.Enum):
-    COLD = "cold"
-    LOADING = "loading"
-    READY = "ready"
-    EVICTED = "evicted"
-
-
-_ALLOWED: set[tuple[SegmentState, SegmentState]] = {
-    (SegmentState.COLD, SegmentState.LOADING),
-    (SegmentState.LOADING, SegmentState.READY),
-    (SegmentState.LOADING, SegmentState.COLD),
-    (SegmentState.READY, SegmentState.COLD),
-    (SegmentState.COLD, SegmentState.READY),  # a master put straight into host RAM
-}
-
-
-class SegmentInfo(NamedTuple):
-    """Immutable snapshot of an entry (what lookups return)."""
-
-    segment_id: SegmentId
-    state: SegmentState
-    num_tokens: int
-    position_offset: int
-    """The KV was computed at positions ``position_offset .. position_offset + num_tokens - 1``."""
-    round: int | None
-    families: frozenset[str]
-    refcount: int
-    pins: frozenset[str]
-    nbytes: int
-    scope: str = ""
-    """Whose round clock ``round`` counts on (see the module docstring)."""
-
-
-@dataclass
-class _Entry:
-    segment_id: SegmentId
-    num_tokens: int
-    position_offset: int
-    round: int | None
-    nbytes: int
-    state: SegmentState = SegmentState.COLD
-    families: set[str] = field(default_factory=set)
-    pins: set[str] = field(default_factory=set)
-    refcount: int = 0
-    scope: str = ""
-
-    def info(self, state: SegmentState | None = None) -> SegmentInfo:
-        return SegmentInfo(
-            self.segment_id,
-            state or self.state,
-            self.num_tokens,
-            self.position_offset,
-            self.round,
-            frozenset(self.families),
-            self.refcount,
-            frozenset(self.pins),
-            self.nbytes,
-            self.scope,
-        )
 
 
 class SegmentIndex:
@@ -108,7 +45,7 @@ class SegmentIndex:
         self.keep_rounds = keep_rounds
         self.max_entries = max_entries
         self._rounds: dict[str, int] = {}  # scope → its current round (0 when absent)
-        self._entries: dict[SegmentId, _Entry] = {}
+        self._entries: dict[SegmentId, Entry] = {}
         self._open_families: set[str] = set()
         self._lock = threading.RLock()
 
@@ -185,7 +122,7 @@ class SegmentIndex:
         with self._lock:
             entry = self._entries.get(segment_id)
             if entry is None:
-                entry = _Entry(
+                entry = Entry(
                     segment_id, num_tokens, position_offset, round, nbytes, state, scope=scope
                 )
                 self._entries[segment_id] = entry
@@ -214,7 +151,7 @@ class SegmentIndex:
         """Move an entry to ``state``; raises `ValueError` for a transition that is not allowed."""
         with self._lock:
             entry = self._require(segment_id)
-            if entry.state != state and (entry.state, state) not in _ALLOWED:
+            if entry.state != state and (entry.state, state) not in ALLOWED_TRANSITIONS:
                 raise ValueError(
                     f"{segment_id[:12]}: {entry.state.name} → {state.name} not allowed"
                 )
@@ -302,7 +239,7 @@ class SegmentIndex:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _require(self, segment_id: SegmentId) -> _Entry:
+    def _require(self, segment_id: SegmentId) -> Entry:
         entry = self._entries.get(segment_id)
         if entry is None:
             raise KeyError(f"unknown segment {segment_id!r}")
@@ -317,7 +254,7 @@ class SegmentIndex:
         for sid in gone:
             del self._entries[sid]
 
-    def _held(self, entry: _Entry) -> bool:
+    def _held(self, entry: Entry) -> bool:
         return entry.refcount > 0 or bool(entry.pins & self._open_families)
 
     def _retire_expired(self) -> list[SegmentInfo]:

@@ -25,12 +25,16 @@ import json
 import struct
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Master", "MasterLayout", "MasterMeta", "kv_checksum", "master_seal"]
+    from kmesh_blend.segments.identity import SegmentId
+
+__all__ = [
+    "Master", "MasterLayout", "MasterMeta", "MasterStore", "kv_checksum", "master_seal",
+]  # fmt: skip
 
 _FORMAT = 2  # bump when the metadata byte layout changes (2: the seal)
 _HEADER = struct.Struct("<4sI")  # magic, JSON length
@@ -190,3 +194,35 @@ def kv_checksum(kv: torch.Tensor) -> str:
     if sys.byteorder == "big":  # pragma: no cover - every supported platform is little-endian
         raise RuntimeError("masters are defined in little-endian byte order")
     return hashlib.blake2b(flat.numpy().data, digest_size=16).hexdigest()
+
+
+class MasterStore(Protocol):
+    """Where masters live. ``tier`` is the ``kmesh.store`` kind (``cpu``, ``disk``, ``lm``,
+    ``redis``)."""
+
+    tier: str
+    layout: MasterLayout
+
+    def put(self, segment_id: SegmentId, kv: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Store a master; False if the tier refused it (full, unreachable)."""
+        ...
+
+    def get(self, segment_id: SegmentId) -> Master | None:
+        """One read from the tier: a fresh copy of the master, or None."""
+        ...
+
+    def delete(self, segment_id: SegmentId) -> bool: ...
+
+    def rejected(self, segment_id: SegmentId) -> str | None:
+        """Why the last `get` of ``segment_id`` refused its master (integrity), else None."""
+        ...
+
+    def put_blob(self, object_id: SegmentId, blob: bytes) -> bool:
+        """Store opaque bytes (a mirror) next to the masters; False if the tier refused."""
+        ...
+
+    def get_blob(self, object_id: SegmentId) -> bytes | None: ...
+
+    def delete_blob(self, object_id: SegmentId) -> bool: ...
+
+    def close(self) -> None: ...

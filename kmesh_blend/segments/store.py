@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -32,7 +32,13 @@ from kmesh_blend.config import StoreSpec, parse_store
 from kmesh_blend.segments.health import Health, StoreUnavailable
 from kmesh_blend.segments.identity import SegmentId
 from kmesh_blend.segments.lmcache_tiers import LMCacheTier, make_key
-from kmesh_blend.segments.master import Master, MasterLayout, MasterMeta, kv_checksum
+from kmesh_blend.segments.master import (
+    Master,
+    MasterLayout,
+    MasterMeta,
+    MasterStore,
+    kv_checksum,
+)
 
 __all__ = ["LMCacheMasterStore", "MasterStore", "StoreUnavailable", "open_store"]
 
@@ -43,38 +49,6 @@ _META_PREFIX = "kmesh-meta"
 _BLOB_PREFIX = "kmesh-blob"
 _MAX_REJECTED = 1024
 _PROBE_ID = "0" * 32  # never written: a probe only asks whether the tier answers
-
-
-class MasterStore(Protocol):
-    """Where masters live. ``tier`` is the ``kmesh.store`` kind (``cpu``, ``disk``, ``lm``,
-    ``redis``)."""
-
-    tier: str
-    layout: MasterLayout
-
-    def put(self, segment_id: SegmentId, kv: torch.Tensor, positions: torch.Tensor) -> bool:
-        """Store a master; False if the tier refused it (full, unreachable)."""
-        ...
-
-    def get(self, segment_id: SegmentId) -> Master | None:
-        """One read from the tier: a fresh copy of the master, or None."""
-        ...
-
-    def delete(self, segment_id: SegmentId) -> bool: ...
-
-    def rejected(self, segment_id: SegmentId) -> str | None:
-        """Why the last `get` of ``segment_id`` refused its master (integrity), else None."""
-        ...
-
-    def put_blob(self, object_id: SegmentId, blob: bytes) -> bool:
-        """Store opaque bytes (a mirror) next to the masters; False if the tier refused."""
-        ...
-
-    def get_blob(self, object_id: SegmentId) -> bytes | None: ...
-
-    def delete_blob(self, object_id: SegmentId) -> bool: ...
-
-    def close(self) -> None: ...
 
 
 class LMCacheMasterStore:
