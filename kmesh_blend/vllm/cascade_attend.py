@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kmesh_blend.attention.decode import MasterRows, decode_cascade
 from kmesh_blend.models.rope import RotaryEmbedding
 from kmesh_blend.vllm.cascade_buffers import Composition
+from kmesh_blend.vllm.paged import PagedLayout
 from kmesh_blend.vllm.seam.cpu_attention import KernelBatch
 
-__all__ = ["Heads", "Kernel", "Step", "attend_kernel", "attend_torch"]
+if TYPE_CHECKING:
+    from kmesh_blend.vllm.seam.cpu_attention import AttnLayer
+
+__all__ = ["EngineKV", "Heads", "Kernel", "Step", "attend_kernel", "attend_torch"]
 
 Kernel = Callable[..., object]  # torch.ops.kmesh_cpu.cascade_decode (see kmesh_blend/cpu)
 
@@ -31,6 +35,18 @@ class Heads(NamedTuple):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+
+
+class EngineKV(NamedTuple):
+    """What the cascade path reads and writes in one engine: its attention layers in model
+    order, their paged KV caches and its layout, the model's rotary embedding, this rank's
+    heads."""
+
+    layers: list[AttnLayer]
+    caches: list[torch.Tensor]
+    layout: PagedLayout
+    rope: RotaryEmbedding
+    heads: Heads
 
 
 class Step(NamedTuple):

@@ -28,11 +28,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kmesh_blend.models.rope import RotaryEmbedding
-from kmesh_blend.vllm.cascade_attend import Heads, Kernel, Step, attend_kernel, attend_torch
+from kmesh_blend.vllm.cascade_attend import (
+    EngineKV,
+    Heads,
+    Kernel,
+    Step,
+    attend_kernel,
+    attend_torch,
+)
 from kmesh_blend.vllm.cascade_buffers import Composition, Sources, compose
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
-from kmesh_blend.vllm.paged import PagedLayout
 from kmesh_blend.vllm.seam.cpu_attention import attn_scale, run_kernel, sub_batch
 
 if TYPE_CHECKING:
@@ -49,23 +54,14 @@ _PREEMPTED = "preempted: {}; later steps on vLLM's kernel"
 
 
 class CascadeDecode:
-    """``layers``: vLLM's attention layers in model order; ``caches``: their KV cache tensors;
-    ``rope``: the model's `RotaryEmbedding`; ``req_ids(n)``: the ids of the batch's first n
-    requests in the order of the attention metadata (None when unknown: no cascade).
+    """``kv``: the engine's attention layers, caches, layout, rope and heads; ``req_ids(n)``:
+    the ids of the batch's first n requests in the order of the attention metadata (None when
+    unknown: no cascade).
     ``paused``: every step runs vLLM's forward while set, plans stay (benchmarks compare both
     in one engine)."""
 
-    def __init__(
-        self,
-        layers: list[AttnLayer],
-        caches: list[torch.Tensor],
-        layout: PagedLayout,
-        rope: RotaryEmbedding,
-        heads: Heads,
-        req_ids: ReqIds,
-        kernel: Kernel | None = None,
-    ) -> None:
-        self.layers, self.caches, self.layout, self.rope = layers, caches, layout, rope
+    def __init__(self, kv: EngineKV, req_ids: ReqIds, kernel: Kernel | None = None) -> None:
+        self.layers, self.caches, self.layout, self.rope, heads = kv
         self.kernel = kernel
         # the kernel holds n · H/Hkv query rows of a master in registers' reach: at most 64
         self.limit = 64 * heads.num_kv_heads // heads.num_heads if kernel is not None else 1 << 30

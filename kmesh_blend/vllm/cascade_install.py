@@ -15,18 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kmesh_blend.models.rope import RotaryEmbedding
 from kmesh_blend.segments.master import Master
-from kmesh_blend.vllm.cascade_decode import CascadeDecode, Heads, Kernel, MasterUse, ReqIds
+from kmesh_blend.vllm.cascade_attend import EngineKV, Heads, Kernel
+from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse, ReqIds
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
-from kmesh_blend.vllm.seam.cpu_attention import (
-    route,
-    scratch_batch,
-    step_batch,
-    stock_forward,
-    unsupported,
-    write_kv,
-)
+from kmesh_blend.vllm.seam import cpu_attention as vllm_attn
 
 if TYPE_CHECKING:
     from kmesh_blend.vllm.seam.cpu_attention import AttnLayer
@@ -36,37 +29,30 @@ __all__ = ["install"]
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 
-def install(
-    layers: list[AttnLayer],
-    caches: list[torch.Tensor],
-    layout: PagedLayout,
-    rope: RotaryEmbedding,
-    heads: Heads,
-    req_ids: ReqIds,
-) -> tuple[CascadeDecode | None, str | None]:
+def install(kv: EngineKV, req_ids: ReqIds) -> tuple[CascadeDecode | None, str | None]:
     """(the installed path, None), or (None, why it stays off).
 
     The CPU kernel (`kmesh_blend.cpu`) serves when it is built, fits the dtype and head size,
     and passes the self-check; else the plain-torch path, after its own self-check."""
-    problem = _unsupported(layers[0], layout)
+    problem = _unsupported(kv.layers[0], kv.layout)
     kernel = None
     if problem is None:
-        kernel, why = _kernel_for(caches[0].dtype, heads)
+        kernel, why = _kernel_for(kv.caches[0].dtype, kv.heads)
         if kernel is not None:
-            why = _self_check(layers[0], caches[0], layout, rope, heads, kernel)
+            why = _self_check(kv, kernel)
             if why is not None:
                 kernel = None
         if kernel is None:
             log.warning("kmesh: cascade decode runs on plain torch ops: %s", why)
-            problem = _self_check(layers[0], caches[0], layout, rope, heads, None)
+            problem = _self_check(kv, None)
     if problem is not None:
         log.warning("kmesh: cascade decode stays off: %s", problem)
         return None, problem
-    decode = CascadeDecode(layers, caches, layout, rope, heads, req_ids, kernel)
-    route(layers, decode)
+    decode = CascadeDecode(kv, req_ids, kernel)
+    vllm_attn.route(kv.layers, decode)
     log.info(
         "kmesh: cascade decode on for %d attention layers (%s, self-check passed)",
-        len(layers),
+        len(kv.layers),
         "CPU kernel" if kernel is not None else "plain torch",
     )
     return decode, None
@@ -88,35 +74,23 @@ def _kernel_for(dtype: torch.dtype, heads: Heads) -> tuple[Kernel | None, str | 
 def _unsupported(layer: AttnLayer, layout: PagedLayout) -> str | None:
     if layout.name not in ("cpu_rows", "cpu_k_transposed"):
         return f"paged layout {layout.name}"
-    return unsupported(layer)
+    return vllm_attn.unsupported(layer)
 
 
-def _self_check(
-    layer: AttnLayer,
-    cache: torch.Tensor,
-    layout: PagedLayout,
-    rope: RotaryEmbedding,
-    heads: Heads,
-    kernel: Kernel | None,
-) -> str | None:
-    """Run the cascade path and vLLM's kernel on scratch blocks; None when they agree."""
+def _self_check(kv: EngineKV, kernel: Kernel | None) -> str | None:
+    """Run the cascade path and vLLM's kernel on scratch blocks of the first layer (never the
+    live cache); None when they agree."""
     try:
-        got, want = _scratch_run(layer, cache, layout, rope, heads, kernel)
+        got, want = _scratch_run(kv, kernel)
     except Exception as exc:  # any failure: keep vLLM's forward
         return f"self-check failed: {type(exc).__name__}: {exc}"
-    tol = 1e-4 if cache.dtype == torch.float32 else 3e-2
+    tol = 1e-4 if kv.caches[0].dtype == torch.float32 else 3e-2
     err = float((got.float() - want.float()).abs().max())
     return None if err <= tol else f"self-check differs from vLLM's kernel by {err:.2e} (> {tol})"
 
 
-def _scratch_run(
-    layer: AttnLayer,
-    cache: torch.Tensor,
-    layout: PagedLayout,
-    rope: RotaryEmbedding,
-    heads: Heads,
-    kernel: Kernel | None,
-) -> tuple[torch.Tensor, ...]:
+def _scratch_run(kv: EngineKV, kernel: Kernel | None) -> tuple[torch.Tensor, ...]:
+    layer, cache, layout, rope, heads = kv.layers[0], kv.caches[0], kv.layout, kv.rope, kv.heads
     bs, dtype = layout.block_size, cache.dtype
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(0)
@@ -145,7 +119,7 @@ def _scratch_run(
             k[offset : offset + size][keep] = rope.apply(master_k.to(dtype).float(), delta)[keep]
             v[offset : offset + size][keep] = master_v.to(dtype).float()[keep]
         slots = slot_mapping(blocks[r], bs, 0, total)
-        write_kv(layer, k.to(dtype), v.to(dtype), scratch, slots)
+        vllm_attn.write_kv(layer, k.to(dtype), v.to(dtype), scratch, slots)
         now = 1 if r < 2 else 4
         keys.append(k[total - now :].to(dtype))
         values.append(v[total - now :].to(dtype))
@@ -154,15 +128,14 @@ def _scratch_run(
     table = torch.tensor([b + [0] * (4 - len(b)) for b in blocks], dtype=torch.int32)
     query = rope.apply(rand(6, num_heads, head_dim), torch.tensor([25, 26, 27, 28, 29, 30]))
     query = query.to(dtype)
-    meta = scratch_batch(layer, query_start_loc, seq_lens, table, dtype)
-    stock = stock_forward(layer)
+    meta = vllm_attn.scratch_batch(layer, query_start_loc, seq_lens, table, dtype)
+    stock = vllm_attn.stock_forward(layer)
     key, value = torch.cat(keys), torch.cat(values)
     want = stock(query, key, value, scratch, meta, torch.zeros_like(query))
-    batch = step_batch(meta)
+    batch = vllm_attn.step_batch(meta)
     assert batch is not None
-    decode = CascadeDecode(
-        [layer], [scratch], layout, rope, heads, lambda n: ["a", "b", "c"][:n], kernel
-    )
+    scratch_kv = EngineKV([layer], [scratch], layout, rope, heads)
+    decode = CascadeDecode(scratch_kv, lambda n: ["a", "b", "c"][:n], kernel)
     for name, (offset, prompt, _), ids in zip("ab", shapes, blocks, strict=False):
         slots = slot_mapping(ids, bs, 0, prompt)
         decode.add(name, ids, slots, [MasterUse("m", offset, offset + size, master)])

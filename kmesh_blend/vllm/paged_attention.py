@@ -21,13 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
-from kmesh_blend.vllm.seam.cpu_attention import (
-    KernelBatch,
-    kernel_available,
-    kernel_batch,
-    run_kernel,
-    write_kv,
-)
+from kmesh_blend.vllm.seam import cpu_attention as vllm_attn
 
 if TYPE_CHECKING:
     from kmesh_blend.vllm.seam.cpu_attention import AttnLayer
@@ -55,7 +49,7 @@ class PagedAttention:
         ``reference`` (a `LayerwiseModel`'s ``attend``) on a scratch input."""
         if layout.name not in ("cpu_k_transposed", "cpu_rows"):
             return None
-        if not kernel_available():
+        if not vllm_attn.kernel_available():
             return None
         self = cls(layers, caches, layout, num_heads, num_kv_heads, head_dim)
         problem = self._self_check(reference)
@@ -76,26 +70,28 @@ class PagedAttention:
         slots = slots[first:]
         table = torch.tensor(block_ids, dtype=torch.int32)
 
-        runs: list[tuple[torch.Tensor, KernelBatch]] = []  # for the last q_positions tensor
+        runs: list[
+            tuple[torch.Tensor, vllm_attn.KernelBatch]
+        ] = []  # for the last q_positions tensor
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    q_positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
             cache = caches[layer]
             attn = self.layers[layer]
             # The backend's own vectorized write (the layout read-back was verified against it).
-            write_kv(attn, k[first:], v[first:], cache, slots)
+            vllm_attn.write_kv(attn, k[first:], v[first:], cache, slots)
             # The blend passes the same positions tensor layer after layer until its computed
             # set changes: the runs and the kernel's schedule are built once for it.
             if not runs or runs[0][0] is not q_positions:
                 runs[:] = [(q_positions, self._runs(layer, table, q, q_positions))]
-            return run_kernel(self.layers[layer], cache, q, runs[0][1])
+            return vllm_attn.run_kernel(self.layers[layer], cache, q, runs[0][1])
 
         return attend
 
     # --- helpers --------------------------------------------------------------------------------
 
     def _runs(self, layer: int, table: torch.Tensor, q: torch.Tensor,
-              q_positions: torch.Tensor) -> KernelBatch:  # fmt: skip
+              q_positions: torch.Tensor) -> vllm_attn.KernelBatch:  # fmt: skip
         """Runs of consecutive positions become causal "requests" ending at the run's last
         token (a full run gives vLLM's bits)."""
         breaks = torch.nonzero(q_positions[1:] != q_positions[:-1] + 1).squeeze(1) + 1
@@ -104,7 +100,9 @@ class PagedAttention:
         query_start_loc = torch.cat([starts, ends[-1:]]).to(torch.int32)
         seq_lens = (q_positions[ends - 1] + 1).to(torch.int32)
         block_table = table[None, :].expand(int(starts.numel()), -1).contiguous()
-        return kernel_batch(self.layers[layer], query_start_loc, seq_lens, block_table, q.dtype)
+        return vllm_attn.kernel_batch(
+            self.layers[layer], query_start_loc, seq_lens, block_table, q.dtype
+        )
 
     def _self_check(self, reference: Reference) -> str | None:
         """Compare with the reference attention on scratch blocks (not the live cache)."""

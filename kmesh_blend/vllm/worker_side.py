@@ -26,7 +26,8 @@ from kmesh_blend.segments.cache import SegmentCache
 from kmesh_blend.segments.index import SegmentIndex
 from kmesh_blend.segments.master import MasterLayout
 from kmesh_blend.segments.store import open_store
-from kmesh_blend.vllm.cascade_decode import CascadeDecode, Heads, MasterUse
+from kmesh_blend.vllm.cascade_attend import EngineKV, Heads
+from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse
 from kmesh_blend.vllm.cascade_install import install as install_cascade
 from kmesh_blend.vllm.meta import (
     VLLM_TAIL,
@@ -129,9 +130,8 @@ class WorkerSide:
             self.cascade_off = "the model runner's batch order is not reachable"
         else:
             heads = Heads(shape.num_heads, shape.num_kv_heads, shape.head_dim)
-            self.cascade, self.cascade_off = install_cascade(
-                layers, self.kv_caches, self.paged, self.rope, heads, self.batch_ids
-            )
+            kv = EngineKV(layers, self.kv_caches, self.paged, self.rope, heads)
+            self.cascade, self.cascade_off = install_cascade(kv, self.batch_ids)
 
     @torch.no_grad()
     def load(self, meta: KMeshMetadata) -> None:
