@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kmesh_blend.testing.text import reference_text
+from kmesh_blend.quality.text import reference_text
 
 SYSTEM_TOPICS = ("for", "while", "if", "with")  # Language Reference sections: ≈ 2,600 tokens
 USER_TURNS = [
@@ -68,7 +68,7 @@ def shared_system_chats(
         before, after = text.split(placeholder)
         chats.append(encode(before) + system + encode(after))
     details = {
-        "chat_system_source": f"kmesh_blend.testing.text.reference_text({SYSTEM_TOPICS}) "
+        "chat_system_source": f"kmesh_blend.quality.text.reference_text({SYSTEM_TOPICS}) "
         f"(Python {sys.version.split()[0]}), cut at {system_len} SmolLM2 tokens",
         "chat_tokens": [len(c) for c in chats],
     }

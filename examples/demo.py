@@ -54,7 +54,7 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any, NamedTuple  # noqa: E402
 
-from kmesh_blend.testing.text import DEMO_TOPICS, reference_text  # noqa: E402
+from kmesh_blend.quality.text import DEMO_TOPICS, reference_text  # noqa: E402
 
 RATIO = 0.15
 MAX_TOKENS = 48
@@ -180,7 +180,7 @@ def main() -> int:
 
 
 def load_document() -> str:
-    """The document every request shares (`kmesh_blend.testing.text.reference_text`)."""
+    """The document every request shares (`kmesh_blend.quality.text.reference_text`)."""
     return reference_text(TOPICS)
 
 

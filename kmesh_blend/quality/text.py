@@ -1,5 +1,6 @@
-"""Real English text that ships with Python, for the demo, examples and benchmarks (nothing
-downloaded): sections of the Python Language Reference in ``pydoc_data.topics``."""
+"""Real English text that ships with Python, for the chat quality tasks, the demo, examples and
+benchmarks (nothing downloaded): sections of the Python Language Reference in
+``pydoc_data.topics``."""
 
 from __future__ import annotations
 
