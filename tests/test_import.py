@@ -29,3 +29,14 @@ def test_public_api_is_exported() -> None:
 
     assert kmesh_blend.KMeshConfig().recompute_ratio == 0.15
     assert set(kmesh_blend.__all__) >= {"KMeshConfig", "ConfigError"}
+
+
+def test_the_vllm_plugin_entry_point_stays_light() -> None:
+    """vLLM runs the plugin in every process, its API server included: registering imports
+    neither torch nor vLLM (the runner modules are wrapped when vLLM imports them)."""
+    loaded = _modules_after(
+        "from kmesh_blend.vllm.plugin import register; register()\n"
+        "from kmesh_blend.vllm.seam import REPORT; assert 'plugin' in REPORT.found"
+    )
+    for heavy in ("vllm", "torch", "lmcache"):
+        assert heavy not in loaded, f"the plugin imported {heavy}"

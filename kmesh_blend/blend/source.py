@@ -8,11 +8,13 @@ each shared segment's layer once for all siblings. The segment store implements 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Mapping
+from typing import NamedTuple, Protocol
 
 import torch
 
 from kmesh_blend.models.layerwise import LayerwiseModel, prefill
+from kmesh_blend.segments.master import Master
 
 __all__ = [
     "DenseSegmentSource",
@@ -75,12 +77,12 @@ def segment_kv_from_prefill(
 class MasterSource:
     """`SegmentSource` over masters fetched from the segment store (`kmesh_blend.segments`).
 
-    ``masters``: segment id → an object with ``kv`` [L, 2, S, Hkv, D] (K rotated at
-    ``positions``) and ``positions`` [S] int64 — what `SegmentCache.fetch` returns. Layer reads are
-    views (no copy); ``reads`` counts them as in `DenseSegmentSource`.
+    ``masters``: segment id → its `Master` (``kv`` [L, 2, S, Hkv, D], K rotated at
+    ``positions`` [S] int64) — what `SegmentCache.fetch` returns. Layer reads are views (no
+    copy); ``reads`` counts them as in `DenseSegmentSource`.
     """
 
-    def __init__(self, masters: dict[str, Any]) -> None:
+    def __init__(self, masters: Mapping[str, Master]) -> None:
         self.masters = masters
         self.reads: Counter[tuple[str, int]] = Counter()
 

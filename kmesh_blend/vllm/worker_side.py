@@ -101,7 +101,8 @@ class WorkerSide:
         self.kv_caches: list[torch.Tensor] = []
         self.paged: PagedLayout | None = None
         self.kernel: PagedAttention | None = None  # vLLM's attention kernel for blends, if checked
-        self.failed_blocks: set[int] = set()
+        self.failed_blocks: set[int] = set()  # for vLLM, taken each step
+        self.failed_reqs: set[str] = set()  # requests that recompute: this step's, until output
         self.out = KMeshWorkerMetadata()
         # The blend's results for the tokens vLLM computes itself (kmesh_blend/vllm/tails.py).
         self.tails = Tails(model if self.unsupported is None else None, self._failed)
@@ -188,6 +189,7 @@ class WorkerSide:
 
     def take_output(self) -> KMeshWorkerMetadata | None:
         out, self.out = self.out, KMeshWorkerMetadata()
+        self.failed_reqs = set()
         out.disabled = self.unsupported
         if self.cascade is not None:
             for req_id, fields in self.cascade.take_reports().items():
@@ -269,30 +271,28 @@ class WorkerSide:
         return lambda first: self._prompt_kv(load.slots(self.block_size)[:first])
 
     def _failed(self, req_id: str) -> bool:
-        return bool(self.out.reports.get(req_id, {}).get("fallback"))
+        return req_id in self.failed_reqs
 
     def _restore_turn(self, load: LoadRequest) -> None:
         assert load.turn is not None
         reason = "paged KV layout unknown" if self.paged is None else None
         if reason is None and self.hooks.fault is not None:
             reason = self.hooks.fault(load)
-        if reason is None:
-            assert self.paged is not None
+        if reason is None and self.paged is not None:
             reason = restore_turn(self.mirrors, load.turn, load.turn_len, self.paged,
                                   self.kv_caches, load.slots(self.block_size),
                                   self.rope.inv_freq)  # fmt: skip
         if reason is not None:
-            self._fail(load, reason)
-            return
-        report = self.out.reports.setdefault(load.req_id, {})
-        report["reused_tokens"], report["recomputed_tokens"] = load.turn_len, 0
-        report["storage_reads"] = 0
+            return self._fail(load, reason)
+        restored = {"reused_tokens": load.turn_len, "recomputed_tokens": 0, "storage_reads": 0}
+        self.out.reports.setdefault(load.req_id, {}).update(restored)  # type: ignore[typeddict-item]
 
     def _fail(self, load: LoadRequest, reason: str) -> None:
         log.warning("kmesh: request %s recomputes: %s", load.req_id, reason)
         if self.cascade is not None:
             self.cascade.drop(load.req_id)
         self.failed_blocks.update(load.block_ids)
+        self.failed_reqs.add(load.req_id)
         self.out.reports[load.req_id] = {
             "reused_tokens": 0,
             "recomputed_tokens": 0,

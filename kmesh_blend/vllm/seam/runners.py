@@ -1,4 +1,4 @@
-"""The model runners: the loaded model, the runner's batch order (seam; plugin entry point).
+"""The model runners: the loaded model, the runner's batch order (seam; the plugin's work).
 
 vLLM hands a KV connector no handle to the model. Every vLLM process runs the callables of the
 ``vllm.general_plugins`` entry-point group at start (our ``pyproject.toml`` registers `register`),
@@ -7,7 +7,8 @@ model is recorded against the runner's ``VllmConfig``; the worker builds its con
 ``load_model``, so `loaded_model` finds it there. No vLLM file is patched, and the runner modules
 are wrapped only when something imports them (an API-server process never does).
 
-A deployment that sets ``VLLM_PLUGINS`` must list ``kmesh_blend`` in it; without the plugin the
+Light on purpose (no torch, no vLLM import): an API-server process runs it too. A deployment
+that sets ``VLLM_PLUGINS`` must list ``kmesh_blend`` in it; without the plugin the
 connector falls back to the runner found on its caller's stack, and failing that serves every
 request on the stock path (one log line says why).
 """
@@ -27,11 +28,10 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from kmesh_blend.vllm.seam import REPORT
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
 
 __all__ = ["BatchOrder", "batch_order", "loaded_model", "register"]
