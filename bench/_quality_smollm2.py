@@ -142,10 +142,8 @@ def served(llm: Any, tasks: list[ChatTask], settings: list[Setting], answers: bo
 
 def engine(check_layers: tuple[int, ...], dtype: str = "float32") -> tuple[Any, Any]:
     """(vllm.LLM with KMesh, the blend's model inside it)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
     from kmesh_blend.testing import smollm2_checkpoint
-    from kmesh_blend.testing.engine import kv_transfer_config, make_llm
+    from kmesh_blend.testing.engine import kv_transfer_config, live_worker, make_llm
 
     llm = make_llm(
         smollm2_checkpoint(),
@@ -153,7 +151,7 @@ def engine(check_layers: tuple[int, ...], dtype: str = "float32") -> tuple[Any, 
         enable_prefix_caching=False,
         kv_transfer_config=kv_transfer_config(store="cpu", check_layers=list(check_layers)),
     )
-    return llm, get_kv_transfer_group().worker.model
+    return llm, live_worker().model
 
 
 def close(llm: Any) -> None:

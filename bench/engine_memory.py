@@ -285,10 +285,12 @@ def _peak_rss() -> int:
 
 def _retained_bytes() -> int:
     """Bytes of restored masters the connector's retention pool holds now (−1: not reachable)."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+    from kmesh_blend.testing.engine import live_worker
 
-    worker = getattr(get_kv_transfer_group(), "worker", None)
-    cache = getattr(worker, "cache", None)
+    try:
+        cache = live_worker().cache
+    except RuntimeError:
+        cache = None
     return int(cache.retention.retained_bytes) if cache is not None else -1
 
 

@@ -62,9 +62,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _chats import shared_system_chats
 from _common import emit, plot_bars, progress, use_allocator
 
+from kmesh_blend.quality.text import DEMO_TOPICS, reference_text
 from kmesh_blend.testing import BENCH_LLAMA, SMOLLM2, build_checkpoint, smollm2_checkpoint
 from kmesh_blend.testing.engine import make_llm
-from kmesh_blend.quality.text import DEMO_TOPICS, reference_text
 
 RATIO = 0.15
 DOCUMENT_TOPICS = (*DEMO_TOPICS, "try")  # ≈ 3,450 SmolLM2 tokens: enough for a 2,048 cut

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import emit, use_allocator
 
+from kmesh_blend.quality.text import reference_text
 from kmesh_blend.testing import smollm2_checkpoint
 from kmesh_blend.testing.engine import make_llm
-from kmesh_blend.quality.text import reference_text
 
 Prompt = tuple[list[int], list[list[int]]]
 

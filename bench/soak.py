@@ -105,16 +105,16 @@ def main() -> None:
 
 def _sizes(llm: Any) -> dict[str, int]:
     """Registry sizes of both sides of the connector, and this process's resident memory."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+    from kmesh_blend.testing.engine import live_worker
 
     side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
-    worker = get_kv_transfer_group().worker
+    worker = live_worker()
     with open("/proc/self/status") as status:
         rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
     return {
-        "published": len(side.published),
+        "published": len(side.segments.published),
         "plans": len(side.plans),
-        "retired_known": len(side.retired),
+        "retired_known": len(side.segments.retired),
         "turns": len(side.turns.records),
         "pending_keeps": side.turns.num_pending,
         "index": len(worker.cache.index),

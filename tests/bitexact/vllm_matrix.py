@@ -4,7 +4,7 @@ One engine per (model, dtype, store, schedule). In it, for every segment layout 
 first reader publishes the family's segments, then the group's follow-ups run in one `generate`
 call (so they are blended as one group in one step). Each follow-up yields its generated tokens,
 the log-probability of each (bit patterns compared), and its prompt KV of every layer, read back
-from vLLM's paged cache after the forward (`set_kv_capture`).
+from vLLM's paged cache after the forward (the live worker's `hooks.capture`).
 """
 
 from __future__ import annotations

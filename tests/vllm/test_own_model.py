@@ -156,12 +156,11 @@ def test_real_model_schedules_agree_and_blend_reuses() -> None:
 
 
 def test_the_blend_holds_no_second_copy_of_the_weights() -> None:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
+    from kmesh_blend.testing.engine import live_worker
     from kmesh_blend.vllm.model import VllmModel
 
     def check(llm: Any) -> None:
-        worker = get_kv_transfer_group().worker
+        worker = live_worker()
         assert isinstance(worker.model, VllmModel)
         core = llm.llm_engine.engine_core.engine_core
         served = core.model_executor.driver_worker.worker.model_runner.get_model()

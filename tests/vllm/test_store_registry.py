@@ -23,7 +23,7 @@ import pytest
 from kmesh_blend.segments.health import RETRY_S
 from kmesh_blend.segments.master import MasterMeta
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
-from kmesh_blend.testing.engine import make_llm
+from kmesh_blend.testing.engine import live_worker, make_llm
 from tests.segments.conftest import _free_port, _stop, pause, start_lm_server
 from tests.vllm.family import DOC_LEN, kv_transfer_config, prompts
 
@@ -54,10 +54,9 @@ def _engine(fn: Callable[[Any], Any], **kmesh: Any) -> Any:
 def _wait_stores_up(llm: Any, limit: float = 60.0) -> None:
     """Until both sides' stores of the in-process engine say they answer (their probes run
     every `RETRY_S` seconds; a loaded machine may need a few)."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
-
-    stores = [get_kv_transfer_group().worker.store]
-    lookup = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.contains
+    stores = [live_worker().store]
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+    lookup = scheduler.segments.contains
     if lookup is not None:
         stores.append(lookup.__self__)
     deadline = time.monotonic() + limit
