@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, NoReturn, get_args
+
+from kmesh_blend.rules import ratio_problem, sink_tokens_problem
 
 StoreKind = Literal["cpu", "disk", "lm", "redis"]
 Selection = Literal["per_request", "collective"]
@@ -125,7 +126,9 @@ class KMeshConfig:
         object.__setattr__(self, "selection", _check_choice("kmesh.selection", self.selection))
         object.__setattr__(self, "schedule", _check_choice("kmesh.schedule", self.schedule))
         object.__setattr__(self, "deviation", _check_choice("kmesh.deviation", self.deviation))
-        _check_int("kmesh.sink_tokens", self.sink_tokens, minimum=0)
+        if (problem := sink_tokens_problem(self.sink_tokens)) is not None:
+            _fail("kmesh.sink_tokens", self.sink_tokens, problem, "an int ≥ 0")
+        object.__setattr__(self, "sink_tokens", int(self.sink_tokens))
         _check_int("kmesh.round_lifetime", self.round_lifetime, minimum=1)
         _check_int("kmesh.max_round_jump", self.max_round_jump, minimum=1)
         _check_int("kmesh.retention_bytes", self.retention_bytes, minimum=0)
@@ -224,16 +227,6 @@ def _parse_host_port(value: str, rest: str) -> tuple[str, int]:
     if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         _fail("kmesh.store", value, "port must be an int in 1..65535", _STORE_VALID)
     return host, int(port)
-
-
-def ratio_problem(value: object) -> str | None:
-    """What is wrong with ``value`` as a recompute ratio (a number in [0, 1]), or None. The one
-    rule for the setting, a request's own ratio and `BlendOptions`."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return "not a number"
-    if math.isnan(value):
-        return "NaN"
-    return None if 0.0 <= value <= 1.0 else "out of range"
 
 
 def _check_ratio(value: object) -> float:

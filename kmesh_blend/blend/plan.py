@@ -12,8 +12,14 @@ from typing import NamedTuple
 
 import torch
 
-from kmesh_blend.config import Deviation, KMeshConfig, Schedule, Selection, ratio_problem
+from kmesh_blend.config import (
+    Deviation,
+    KMeshConfig,
+    Schedule,
+    Selection,
+)
 from kmesh_blend.ops import Backend
+from kmesh_blend.rules import ratio_problem, sink_tokens_problem
 
 __all__ = [
     "BlendOptions",
@@ -101,8 +107,7 @@ class BlendOptions:
             raise ValueError(f"recompute_ratio={self.recompute_ratio} must be in [0, 1]")
         if not self.check_layers or list(self.check_layers) != sorted(set(self.check_layers)):
             raise ValueError(f"check_layers={self.check_layers} must be non-empty and increasing")
-        sinks = self.sink_tokens
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        if sink_tokens_problem(self.sink_tokens) is not None:
             raise ValueError(f"sink_tokens={self.sink_tokens!r} must be an int ≥ 0")
         if self.deviation not in ("k", "v", "kv"):
             raise ValueError(f"deviation={self.deviation!r}; valid: 'k', 'v', 'kv'")

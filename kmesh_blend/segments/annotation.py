@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from kmesh_blend.config import ratio_problem
+from kmesh_blend.rules import ratio_problem, sink_tokens_problem
 
 __all__ = [
     "KNOWN_FIELDS", "MAX_FAMILY_LEN", "MAX_ROUND", "Annotation", "AnnotationError",
@@ -191,7 +191,7 @@ def parse_annotation(kmesh: object, num_tokens: int, max_model_len: int) -> Anno
             f"recompute_ratio={ratio!r}; valid: a number in [0, 1]", field="recompute_ratio"
         )
     sinks = kmesh.get("sink_tokens")
-    if sinks is not None and (not _is_int(sinks) or sinks < 0):
+    if sinks is not None and sink_tokens_problem(sinks) is not None:
         raise AnnotationError(f"sink_tokens={sinks!r}; valid: an int >= 0", field="sink_tokens")
     return Annotation(
         spans, family, round_, keep, close=close,
