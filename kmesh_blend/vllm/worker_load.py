@@ -27,6 +27,7 @@ from kmesh_blend.segments.cache import SegmentCache
 from kmesh_blend.segments.identity import SegmentId
 from kmesh_blend.segments.master import Master
 from kmesh_blend.vllm.meta import KMeshWorkerMetadata, LoadRequest
+from kmesh_blend.vllm.paged_attention import Hook
 from kmesh_blend.vllm.seam.engine import all_reduce
 from kmesh_blend.vllm.worker_lifetimes import Lifetimes
 
@@ -35,7 +36,6 @@ __all__ = [
 ]  # fmt: skip
 
 Masters = dict[str, Master]  # segment id (or a derived key: a cut, vLLM's prefix) → its rows
-Hook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass

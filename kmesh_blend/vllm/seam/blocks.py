@@ -35,7 +35,6 @@ class StepRequest(NamedTuple):
 
     req_id: str
     whole: bool
-    resumed: bool
     blocks: list[int]
     num_computed: int
     num_scheduled: int
@@ -48,7 +47,6 @@ def step_requests(out: SchedulerOutput) -> list[StepRequest]:
         StepRequest(
             new.req_id,
             True,
-            False,
             list(new.block_ids[0]),
             new.num_computed_tokens,
             scheduled.get(new.req_id, 0),
@@ -61,7 +59,7 @@ def step_requests(out: SchedulerOutput) -> list[StepRequest]:
         blocks = cached.new_block_ids[i]
         back = req_id in resumed  # comes back with all its blocks anew
         ids = list(blocks[0]) if blocks is not None else []
-        got.append(StepRequest(req_id, back, back, ids, cached.num_computed_tokens[i],
+        got.append(StepRequest(req_id, back, ids, cached.num_computed_tokens[i],
                                scheduled.get(req_id, 0)))  # fmt: skip
     return got
 
