@@ -14,7 +14,6 @@ from kmesh_blend.segments.annotation import (
     Span,
     parse_annotation,
     parse_request,
-    split_on_separator,
     validate_spans,
 )
 from kmesh_blend.segments.client import Encoded, Shared, encode_marked, encode_parts
@@ -22,6 +21,7 @@ from kmesh_blend.segments.fingerprint import weights_fingerprint
 from kmesh_blend.segments.identity import Namespace, SegmentId, make_namespace, segment_id
 from kmesh_blend.segments.index import SegmentIndex, SegmentInfo, SegmentState
 from kmesh_blend.segments.retention import RetentionPool
+from kmesh_blend.segments.separator import split_on_separator
 from kmesh_blend.segments.singleflight import (
     Outcome,
     SingleFlight,

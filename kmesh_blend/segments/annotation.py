@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from kmesh_blend.rules import ratio_problem, sink_tokens_problem
+from kmesh_blend.segments.separator import split_on_separator
 
 __all__ = [
-    "KNOWN_FIELDS", "MAX_FAMILY_LEN", "MAX_ROUND", "Annotation", "AnnotationError",
-    "ParsedRequest", "Span", "parse_annotation", "parse_request", "split_on_separator",
-    "validate_spans",
+    "KNOWN_FIELDS", "MAX_FAMILY_LEN", "MAX_ROUND", "SESSION_KEY", "Annotation", "AnnotationError",
+    "ParsedRequest", "Span", "parse_annotation", "parse_request", "validate_spans",
 ]  # fmt: skip
 
 Span = tuple[int, int]
@@ -41,6 +41,9 @@ REMOVED_FIELDS = {
     "family; send one ahead of the follow-ups instead",
 }
 MAX_FAMILY_LEN = 256
+SESSION_KEY = "kmesh_session"
+"""The ``kv_transfer_params`` key `kmesh_blend.vllm.family_header.FamilyHeader` fills from a
+request's ``X-Session-ID`` header: the family of a request whose annotation names none."""
 MAX_ROUND = (1 << 63) - 1  # a round is a signed 64-bit int wherever it travels
 _SPANS_VALID = (
     "a non-empty list of [start, end] int pairs, 0 <= start < end <= prompt length, "
@@ -112,9 +115,11 @@ def parse_request(
     request's own ``recompute_ratio`` / ``sink_tokens``).
     """
     try:
-        kmesh = None
+        kmesh = session = None
         if isinstance(kv_transfer_params, Mapping):
-            kmesh = kv_transfer_params.get("kmesh")
+            kmesh, session = kv_transfer_params.get("kmesh"), kv_transfer_params.get(SESSION_KEY)
+            if session is not None:
+                _check_family(session, SESSION_KEY)
         elif kv_transfer_params is not None:
             bad = f"kv_transfer_params={kv_transfer_params!r} is not a dict"
             raise AnnotationError(bad, field="kv_transfer_params")
@@ -126,6 +131,8 @@ def parse_request(
                     field="token_ids",
                 )
             separated = split_on_separator(token_ids, separator)
+        if isinstance(kmesh, Mapping) and session is not None and kmesh.get("family") is None:
+            kmesh = {**kmesh, "family": session}  # the router's session names the family
         if kmesh is not None:
             if isinstance(kmesh, Mapping) and "segments" not in kmesh and separated is not None:
                 # Separator mode: the annotation carries only lifetimes and settings.
@@ -137,7 +144,7 @@ def parse_request(
             return ParsedRequest(parse_annotation(kmesh, num_tokens, max_model_len), None)
         if separated:
             validate_spans(separated, num_tokens, max_model_len)
-            return ParsedRequest(Annotation(separated, source="separator"), None)
+            return ParsedRequest(Annotation(separated, session, source="separator"), None)
         return ParsedRequest(None, None)
     except AnnotationError as exc:
         return ParsedRequest(None, f"bad annotation: {exc}")
@@ -165,13 +172,8 @@ def parse_annotation(kmesh: object, num_tokens: int, max_model_len: int) -> Anno
         raise AnnotationError(f"missing 'segments'; valid: {_SPANS_VALID}", field="segments")
     spans = validate_spans(kmesh["segments"], num_tokens, max_model_len)
     family = kmesh.get("family")
-    if family is not None and (
-        not isinstance(family, str) or not family or len(family) > MAX_FAMILY_LEN
-    ):
-        raise AnnotationError(
-            f"family={family!r}; valid: a non-empty string of at most {MAX_FAMILY_LEN} chars",
-            field="family",
-        )
+    if family is not None:
+        _check_family(family, "family")
     round_ = kmesh.get("round")
     if round_ is not None and (not _is_int(round_) or not 0 <= round_ <= MAX_ROUND):
         raise AnnotationError(
@@ -254,31 +256,6 @@ def validate_spans(spans: object, num_tokens: int, max_model_len: int) -> tuple[
     return tuple(out)
 
 
-def split_on_separator(token_ids: Sequence[int], separator: Sequence[int]) -> tuple[Span, ...]:
-    """Separator mode: spans of the non-empty pieces that are *followed* by ``separator``.
-
-    ``"P <sep> D <sep> Q"`` gives the spans of ``P`` and ``D``; the piece after the last
-    separator (the question, which holds the prompt's last token) stays private. Separator
-    tokens themselves belong to no span. Occurrences do not overlap (scanned left to right).
-    """
-    sep = list(separator)
-    if not sep:
-        raise ValueError("separator must be a non-empty token sequence")
-    ids = list(token_ids)
-    n, m = len(ids), len(sep)
-    spans: list[Span] = []
-    piece_start = i = 0
-    while i + m <= n:
-        if ids[i : i + m] == sep:
-            if i > piece_start:
-                spans.append((piece_start, i))
-            i += m
-            piece_start = i
-        else:
-            i += 1
-    return tuple(spans)
-
-
 def _is_int(x: object) -> bool:
     """True for ints (numpy ints included, via ``__index__``); False for bools and floats."""
     if isinstance(x, bool):
@@ -294,3 +271,11 @@ def _clip(x: object) -> str:
     """``repr(x)``, cut to 40 characters (a bad value may be huge)."""
     text = repr(x)
     return text if len(text) <= 40 else text[:30] + f"… ({len(text)} chars)"
+
+
+def _check_family(family: object, field: str) -> None:
+    if not isinstance(family, str) or not family or len(family) > MAX_FAMILY_LEN:
+        raise AnnotationError(
+            f"{field}={family!r}; valid: a non-empty string of at most {MAX_FAMILY_LEN} chars",
+            field=field,
+        )

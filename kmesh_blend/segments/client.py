@@ -20,6 +20,7 @@ __all__ = [
     "BEGIN_MARK",
     "END_MARK",
     "Encoded",
+    "Routed",
     "Shared",
     "TokenizerLike",
     "encode_marked",
@@ -47,6 +48,14 @@ class Shared:
     text: str
 
 
+class Routed(NamedTuple):
+    """One request's parts for an OpenAI client behind vLLM's router: ``extra_body`` (holds
+    ``kv_transfer_params``) and ``headers`` (``X-Session-ID`` = the family)."""
+
+    extra_body: dict[str, Any]
+    headers: dict[str, str]
+
+
 class Encoded(NamedTuple):
     """Prompt token ids ``[T]`` (python ints) and the half-open spans of its shared segments."""
 
@@ -54,16 +63,26 @@ class Encoded(NamedTuple):
     spans: list[Span]
 
     def kv_transfer_params(
-        self, *, family: str | None = None, round: int | None = None,
+        self, *, family: str | None = None, round: int | None = None, close: bool = False,
         recompute_ratio: float | None = None, sink_tokens: int | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """The ``kv_transfer_params`` dict of docs/contract.md for this prompt (``None`` / false
         fields are left out: the engine's settings apply)."""
         kmesh: dict[str, Any] = {"segments": [list(s) for s in self.spans]}
-        optional = {"family": family, "round": round, "recompute_ratio": recompute_ratio,
-                    "sink_tokens": sink_tokens}  # fmt: skip
+        optional = {"family": family, "round": round, "close": close or None,
+                    "recompute_ratio": recompute_ratio, "sink_tokens": sink_tokens}  # fmt: skip
         kmesh.update({k: v for k, v in optional.items() if v is not None})
         return {"kmesh": kmesh}
+
+    def routed(self, *, family: str, **settings: Any) -> Routed:
+        """This prompt's ``kv_transfer_params`` and the routing header that keeps ``family`` on
+        one engine (``settings``: the other `kv_transfer_params` arguments). With the official
+        client: ``create(..., extra_body=r.extra_body, extra_headers=r.headers)``."""
+        from kmesh_blend.routing import session_headers  # (it imports this package)
+
+        headers = session_headers(family)
+        params = self.kv_transfer_params(family=family, **settings)
+        return Routed({"kv_transfer_params": params}, headers)
 
 
 def encode_parts(

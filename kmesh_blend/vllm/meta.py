@@ -57,6 +57,7 @@ class Report(TypedDict, total=False):
     cascade_kernel: str
     cascade_off: str | None
     preemptions: int
+    engine: str
 
 
 def new_report() -> Report:

@@ -57,8 +57,10 @@ class SchedulerSide:
         max_model_len: int,
         contains: Callable[[SegmentId], bool] | None = None,
         privatizer: Privatizer | None = None,
+        engine: str = "",
     ) -> None:
         self.config, self.namespace, self.max_model_len = config, namespace, max_model_len
+        self.engine = engine  # the kv_transfer_config's engine_id: each report names it
         # With vLLM's prefix caching on: makes blended blocks' hashes private (prefix_cache.py).
         self.privatizer = privatizer
         self.segments = SegmentRegistry(contains, _MAX_PUBLISHED)
@@ -113,9 +115,8 @@ class SchedulerSide:
                 self._without_reuse(request.request_id, tokens, short(parsed.fallback))
             return 0
         if self.disabled is not None:
-            plan = Plan(tokens, [])
+            self.plans[request.request_id] = plan = Plan(tokens, [])
             plan.report["fallback"] = self.disabled
-            self.plans[request.request_id] = plan
             return 0
         spans = parsed.annotation.spans
         namespace = self.namespace
@@ -153,9 +154,8 @@ class SchedulerSide:
 
     def _without_reuse(self, req_id: str, tokens: list[int], reason: str) -> None:
         """The request runs on the stock path; its report says why."""
-        plan = Plan(tokens, [])
+        self.plans[req_id] = plan = Plan(tokens, [])
         plan.report["fallback"] = reason
-        self.plans[req_id] = plan
         log.warning("kmesh: request %s runs without reuse: %s", req_id, reason)
 
     def _plan_reuse(
@@ -204,9 +204,8 @@ class SchedulerSide:
 
     def build_meta(self, step: list[StepRequest]) -> KMeshMetadata:
         """The step's loads, saves, rounds and closes (``step``: `seam.blocks.step_requests`)."""
-        self._recent.clear()
-        self._recent_before.clear()
-        self._counted.clear()
+        for done in (self._recent, self._recent_before, self._counted):
+            done.clear()
         self.turns.new_step()
         meta = KMeshMetadata(rounds=self.rounds.news(), closes=list(self._closing))
         for req in step:
@@ -263,6 +262,7 @@ class SchedulerSide:
             self._closing.append((self._close_seq, plan.family))
         if self.disabled is not None and plan.report["fallback"] is None:
             plan.report["fallback"] = self.disabled  # it ran before the worker's word arrived
+        plan.report["engine"] = self.engine
         self._recent[req_id] = plan.report
         if plan.before is not None:
             self._recent_before[req_id] = plan.before

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kmesh_blend.segments.annotation import parse_request, split_on_separator
+from kmesh_blend.segments.annotation import parse_request
 from kmesh_blend.segments.client import (
     Shared,
     encode_marked,
@@ -12,6 +12,7 @@ from kmesh_blend.segments.client import (
     encode_with_separator,
     split_marked,
 )
+from kmesh_blend.segments.separator import split_on_separator
 
 DOC = "def frobnicate(x):\n    return x + 1\n"
 
