@@ -57,6 +57,7 @@ class Report(TypedDict, total=False):
     cascade_kernel: str
     cascade_off: str | None
     preemptions: int
+    family: str
     engine: str
 
 

@@ -136,6 +136,7 @@ class SchedulerSide:
         plan = Plan(tokens, refs, first=num_computed_tokens, family=family,
                      round=annotation.round, scope=scope, close=annotation.close,
                      options=(annotation.recompute_ratio, annotation.sink_tokens))  # fmt: skip
+        plan.report.update({"family": annotation.family} if annotation.family else {})
         self.rounds.announce(scope, annotation.round)
         # Rescheduled after a preemption (perhaps asked again while it waited for memory): the
         # report keeps what it reused before.
@@ -198,8 +199,7 @@ class SchedulerSide:
         return len(tokens) - VLLM_TAIL - num_computed_tokens
 
     def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
-        plan = self.plans.get(req_id)
-        if plan is not None and num_external_tokens > 0:
+        if (plan := self.plans.get(req_id)) is not None and num_external_tokens > 0:
             plan.pending_load = True
 
     def build_meta(self, step: list[StepRequest]) -> KMeshMetadata:

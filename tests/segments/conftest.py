@@ -8,9 +8,7 @@ must run them; ``scripts/services.sh`` installs it) and are skipped otherwise.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,25 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from kmesh_blend.testing.services import free_port, start_redis, stop, wait_port
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-            raise RuntimeError(f"service exited with {proc.returncode}:\n{out[-2000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"nothing listened on 127.0.0.1:{port} within {timeout} s")
+_free_port, _wait_port, _stop = free_port, wait_port, stop  # the names the tests import
 
 
 def pause(proc: subprocess.Popen[bytes]) -> None:
@@ -51,15 +33,6 @@ def pause(proc: subprocess.Popen[bytes]) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"process {proc.pid} did not stop")
         time.sleep(0.01)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 # Starts LMCache's server with SO_REUSEADDR on its listening socket, so a server restarted on
@@ -115,19 +88,12 @@ def lm_server() -> Iterator[str]:
 def start_redis_server(port: int) -> subprocess.Popen[bytes]:
     """A fresh, non-persistent ``redis-server`` on ``port``, once it listens. Without the binary:
     a failure when ``CI=true`` (CI must run these tests), a skip otherwise."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        msg = "redis-server is not installed (run scripts/services.sh)"
+    try:
+        return start_redis(port)
+    except FileNotFoundError as exc:
         if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,  # never read: a full pipe would stall the server
-        stderr=subprocess.DEVNULL,
-    )
-    _wait_port(port, proc)
-    return proc
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="session")
