@@ -96,6 +96,40 @@ def test_a_master_lost_with_its_lm_server_is_stored_again_by_the_next_reader() -
     assert got[2][0] == _stock([family[2][0]])[0]  # the failed one: stock's tokens
 
 
+def test_after_an_lm_restart_the_first_follow_up_stores_again_though_the_prober_lags(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store is marked down by a follow-up during the outage; the server comes back empty
+    while the background prober never runs (a machine too loaded to schedule it). The first
+    follow-up after that probes once itself, finds the store answering and stores the document
+    again; the second reuses it."""
+    from kmesh_blend.segments.health import Health
+
+    monkeypatch.setattr(Health, "_probe_until_up", lambda self: None)  # the starved prober
+    family = prompts(seed=9)
+    port = _free_port()
+    server = [start_lm_server(port)]
+
+    def run(llm: Any) -> list[Out]:
+        out = [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in range(2)]
+        _stop(server[0])
+        out.append(_generate(llm, family[2][0], {"segments": family[2][1]}))  # marks it down
+        server[0] = start_lm_server(port)  # back, empty
+        time.sleep(RETRY_S + 0.1)  # the last failure is older than one probe interval
+        return out + [_generate(llm, family[i][0], {"segments": family[i][1]}) for i in (3, 4)]
+
+    try:
+        got = _engine(run, store=f"lm://127.0.0.1:{port}", retention_bytes=0, store_timeout_s=0.3)
+    finally:
+        _stop(server[0])
+    reports = [r for _, r in got]
+    assert reports[1]["reused_tokens"] == DOC_LEN
+    assert reports[2]["reused_tokens"] == 0 and "unavailable" in reports[2]["fallback"]
+    assert reports[3]["reused_tokens"] == 0  # the store answered again, without the master
+    assert reports[4]["reused_tokens"] == DOC_LEN and reports[4]["fallback"] is None
+    assert [g[0] for g in got[2:4]] == _stock([family[2][0], family[3][0]])
+
+
 def test_a_hung_lm_server_costs_its_requests_their_reuse_not_the_engine() -> None:
     """SIGSTOP on the `lm://` server: the follow-ups that need it fall back within the deadline,
     naming the store; unannotated traffic is served as before; after SIGCONT reuse resumes."""
