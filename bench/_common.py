@@ -98,6 +98,22 @@ def plot_bars(name: str, labels: list[str], seconds: list[float], title: str) ->
     return path
 
 
+def cpu_flags() -> dict[str, bool | str]:
+    """This machine's CPU model and the instruction sets figures depend on (from
+    /proc/cpuinfo): ratios move between CPUs of the same kind, so every result names them."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    flags = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                 if ln.startswith("model name")), "")  # fmt: skip
+    found: dict[str, bool | str] = {"model": name, "cores": str(os.cpu_count())}
+    for flag in ("avx2", "avx512f", "avx512_bf16", "amx_tile"):
+        found[flag] = flag in flags
+    return found
+
+
 def emit(result: dict[str, Any]) -> None:
     """Print the contract's last line: one JSON object."""
     print(json.dumps(result), flush=True)
