@@ -13,12 +13,15 @@ annotation and the ``X-Session-ID`` header (`Encoded.routed`); only the router's
 - ``cache_aware``: vLLM's prefix-aware policy (the members' prompts differ from their first
   token, so it sees nothing in common between them).
 
-Per policy: storage reads per family (sum of the reports' ``storage_reads`` / families), master
-bytes held summed over engines (``vllm:kmesh_retained_bytes``) / the documents' KV bytes, the
-members' decode steps run in cascade (sum of ``cascade_steps`` / decode steps), and the workload's
-wall time (notices + members). value = family routing's master bytes held / the documents' (goal
-1.0); config.wall_vs_round_robin = family routing's wall time / round robin's (goal ≤ 1.0).
-Each policy gets a fresh fleet (≈1 min to start on 2 cores, not in the wall time).
+The workload runs 3 times per policy (fresh documents and families each time, in the same
+fleet). Per policy: storage reads per family (sum of the reports' ``storage_reads`` / families),
+master bytes held summed over engines after the first round (``vllm:kmesh_retained_bytes``) / the
+documents' KV bytes, the members' decode steps run in cascade (sum of ``cascade_steps`` / decode
+steps), and the workload's wall time (notices + members; median of the rounds). value = family
+routing's master bytes held / the documents' (goal 1.0); config.wall_vs_round_robin = family
+routing's median wall time / round robin's (goal ≤ 1.0). Each policy gets a fresh fleet (≈1 min
+to start on 2 cores, not in the wall time). ``--quick``: 4 families, 512-token documents, 16
+tokens, one round.
 
 Run: python bench/routing.py [--quick]
 """
@@ -26,6 +29,7 @@ Run: python bench/routing.py [--quick]
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -47,9 +51,9 @@ POLICIES = {"family": "sticky_least_loaded", "round_robin": "round_robin",
 MEMBERS, RATIO = 4, 0.15
 
 
-def workload(families: int, doc_len: int) -> dict[str, list[Encoded]]:
-    """Per family: its notice, then its members (same seeds every run)."""
-    gen = torch.Generator().manual_seed(0)
+def workload(families: int, doc_len: int, seed: int) -> dict[str, list[Encoded]]:
+    """Per family: its notice, then its members (the same for the same seed)."""
+    gen = torch.Generator().manual_seed(seed)
     out = {}
     for k in range(families):
         doc = torch.randint(3, TINY_LLAMA.vocab_size, (doc_len,), generator=gen).tolist()
@@ -60,15 +64,17 @@ def workload(families: int, doc_len: int) -> dict[str, list[Encoded]]:
             prompts.append(
                 Encoded(private + doc + question, [(len(private), len(private) + doc_len)])
             )
-        out[f"family-{k}"] = prompts
+        out[f"s{seed}-family-{k}"] = prompts
     return out
 
 
-def run_policy(
-    policy: str, fams: dict[str, list[Encoded]], tokens: int, logs: Path
-) -> dict[str, Any]:
+def run_policy(policy: str, rounds: list[dict[str, list[Encoded]]], tokens: int,
+               logs: Path) -> dict[str, Any]:  # fmt: skip
+    """One fresh fleet under ``policy``; each round's families run in it one after another."""
     model = str(build_checkpoint(TINY_LLAMA))
     settings = {"recompute_ratio": RATIO, "cascade_decode": True}
+    walls, held, notices, reports = [], [0.0, 0.0], [], []
+    engines: dict[str, set[str]] = {}
     with Fleet(model, logs / policy, policy=policy, settings=settings) as fleet:
 
         def send(name: str, enc: Encoded, max_tokens: int) -> dict[str, Any]:
@@ -78,26 +84,28 @@ def run_policy(
             out = fleet.post("/v1/completions", body, routed.headers)
             report = dict(out["kv_transfer_params"]["kmesh"])
             report["tokens"] = out["usage"]["completion_tokens"]
+            engines.setdefault(name, set()).add(report["engine"])
             return report
 
-        jobs = [(name, enc) for name, members in fams.items() for enc in members[1:]]
-        start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            notices = list(pool.map(lambda name: send(name, fams[name][0], 1), fams))
-            reports = list(pool.map(lambda job: send(job[0], job[1], tokens), jobs))
-        wall = time.perf_counter() - start
-        held = [metric_sum(fleet.metrics(i), "vllm:kmesh_retained_bytes") for i in range(2)]
-    engines: dict[str, set[str]] = {}
-    for (name, _), report in zip(jobs, reports, strict=True):
-        engines.setdefault(name, set()).add(report["engine"])
+        for r, fams in enumerate(rounds):
+            jobs = [(name, enc) for name, members in fams.items() for enc in members[1:]]
+            start = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+                notices += pool.map(lambda name, f=fams: send(name, f[name][0], 1), fams)
+                reports += pool.map(lambda job: send(job[0], job[1], tokens), jobs)
+            walls.append(time.perf_counter() - start)
+            if r == 0:  # the first round's masters only (later rounds add their own)
+                held = [metric_sum(fleet.metrics(i), "vllm:kmesh_retained_bytes") for i in (0, 1)]
     decode_steps = sum(max(r["tokens"] - 1, 0) for r in reports)
     return {
-        "reads_per_family": sum(r.get("storage_reads", 0) for r in notices + reports) / len(fams),
+        "reads_per_family": sum(r.get("storage_reads", 0) for r in notices + reports)
+        / len(engines),
         "held_bytes": sum(held),
         "held_per_engine": held,
         "cascade_fraction": sum(r.get("cascade_steps", 0) for r in reports) / max(decode_steps, 1),
-        "wall_s": round(wall, 3),
-        "engines_per_family": sum(len(e) for e in engines.values()) / len(fams),
+        "wall_s": round(statistics.median(walls), 3),
+        "wall_rounds_s": [round(w, 3) for w in walls],
+        "engines_per_family": sum(len(e) for e in engines.values()) / len(engines),
         "fallbacks": sum(1 for r in reports if r.get("fallback")),
         "cascade_off": sorted({r["cascade_off"] for r in reports if r.get("cascade_off")})[:3],
     }
@@ -107,14 +115,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="4 families, 512-token documents")
     args = parser.parse_args()
-    families, doc_len, tokens = (4, 512, 16) if args.quick else (8, 1024, 32)
-    fams = workload(families, doc_len)
+    families, doc_len, tokens, repeats = (4, 512, 16, 1) if args.quick else (8, 1024, 32, 3)
+    rounds = [workload(families, doc_len, seed) for seed in range(repeats)]
     spec = TINY_LLAMA
     doc_bytes = families * doc_len * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
     results = {}
     with tempfile.TemporaryDirectory(prefix="kmesh-routing-") as tmp:
         for label, policy in progress(POLICIES.items(), "policies"):
-            results[label] = run_policy(policy, fams, tokens, Path(tmp))
+            results[label] = run_policy(policy, rounds, tokens, Path(tmp))
             results[label]["held_vs_documents"] = round(results[label]["held_bytes"] / doc_bytes, 4)
             print(label, results[label], file=sys.stderr, flush=True)
     fam, rr = results["family"], results["round_robin"]
@@ -131,6 +139,7 @@ def main() -> None:
         "config": {
             "model": "tiny-llama (fp32)", "engines": 2, "families": families, "members": MEMBERS,
             "document_tokens": doc_len, "decode_tokens": tokens, "recompute_ratio": RATIO,
+            "rounds": repeats,
             "documents_bytes": doc_bytes, "wall_goal": 1.0,
             "wall_vs_round_robin": round(fam["wall_s"] / rr["wall_s"], 4),
             "reads_per_family_goal": 1.0, "cpu": cpu_flags(), "policies": results,

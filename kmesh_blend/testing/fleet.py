@@ -144,7 +144,7 @@ class Fleet:
             req = urllib.request.Request(f"{url or self.router}{path}", data, hdrs)
             try:
                 with urllib.request.urlopen(req, timeout=300) as resp:
-                    return json.loads(resp.read())  # type: ignore[no-any-return]
+                    return json.loads(resp.read())
             except urllib.error.HTTPError as exc:
                 detail = exc.read()[:500]
                 if exc.code < 500 or attempt == retries:
@@ -158,11 +158,11 @@ class Fleet:
     def metrics(self, i: int) -> str:
         """Engine ``i``'s ``/metrics`` page."""
         with urllib.request.urlopen(f"{self.engine_urls[i]}/metrics", timeout=30) as resp:
-            return resp.read().decode()  # type: ignore[no-any-return]
+            return resp.read().decode()
 
     def router_metrics(self) -> str:
         with urllib.request.urlopen(self.router_metrics_url, timeout=30) as resp:
-            return resp.read().decode()  # type: ignore[no-any-return]
+            return resp.read().decode()
 
     def kill(self, i: int) -> None:
         """SIGKILL engine ``i`` (a crash: no goodbye to the router)."""

@@ -89,7 +89,7 @@ class KMeshConnector(KVConnectorBase_V1):
                 model_config.max_model_len,
                 contains=_shared_store_lookup(self.config, vllm_config),
                 privatizer=_privatizer(vllm_config, kv_cache_config),
-                engine=str(vllm_config.kv_transfer_config.engine_id),
+                engine=str(self._kv_transfer_config.engine_id),
             )
         else:
             self.worker = WorkerSide(

@@ -13,6 +13,7 @@ and one request at a time, answers every prompt for comparison.
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -177,3 +178,26 @@ def test_closing_a_family_ends_its_router_session(run: Run) -> None:
     for k in range(FAMILIES):
         assert f"SLL: finished session 'fam-{k}'" in run.router_log
     assert "finish_session for unknown session" not in run.router_log
+
+
+@pytest.mark.timeout(900)
+def test_the_routed_agents_example_keeps_each_team_on_one_engine() -> None:
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "routed_agents.py")],
+        cwd=root, capture_output=True, text=True, timeout=850,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pattern = re.compile(r"(team-\d) +(notice|agent \d) +→ (engine-\d): reused +(\d+), "
+                         r"storage reads (\d+), fallback (.*)")  # fmt: skip
+    rows = [m.groups() for m in map(pattern.match, proc.stdout.splitlines()) if m]
+    assert len(rows) == 3 * 4, proc.stdout
+    for team in {r[0] for r in rows}:
+        mine = [r for r in rows if r[0] == team]
+        assert len({r[2] for r in mine}) == 1, mine  # one engine per team
+        assert all(r[3] == "512" and r[5] == "None" for r in mine if r[1] != "notice"), mine
+    assert proc.stdout.rstrip().endswith("router sessions ended: team-0, team-1, team-2")
