@@ -19,7 +19,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from kmesh_blend.testing.engine import kv_transfer_config
@@ -72,8 +71,7 @@ class Fleet:
             raise
         return self
 
-    def __exit__(self, *exc: tuple[type[BaseException] | None, BaseException | None,
-                                   TracebackType | None]) -> None:  # fmt: skip
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _start(self) -> None:
