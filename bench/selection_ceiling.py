@@ -99,25 +99,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 tasks instead of 8")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _quality_smollm2 as real
     from _common import emit
     from quality import SMOLLM2_CHECKS
     from transformers import AutoTokenizer
 
     from kmesh_blend.quality.chat import chat_tasks
     from kmesh_blend.quality.chat_harness import masters, references
+    from kmesh_blend.quality.report import ANSWER_TOKENS, close, engine
     from kmesh_blend.testing import smollm2_checkpoint
 
     began = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
-    tasks = chat_tasks(tokenizer, 2 if args.quick else 8, doc_tokens=real.DOC_TOKENS)
-    llm, model = real.engine(SMOLLM2_CHECKS)
+    tasks = chat_tasks(tokenizer, 2 if args.quick else 8, doc_tokens=192)
+    llm, model = engine(smollm2_checkpoint(), SMOLLM2_CHECKS, 2048)
     rules = ("deviation", "oracle K", "oracle V", "oracle attention", "oracle attention × V")
     parts: dict[str, list[Any]] = {rule: [] for rule in rules}
     kinds: list[str] = []
     try:
         stop = (int(tokenizer.eos_token_id),)
-        refs = references(model, tasks, real.ANSWER_TOKENS, None, stop)
+        refs = references(model, tasks, ANSWER_TOKENS, None, stop)
         for j, (task, task_refs) in enumerate(zip(tasks, refs, strict=True)):
             source = masters(model, task)
             requests = [r.blend_request() for r in task.requests]
@@ -144,7 +144,7 @@ def main() -> None:
                     parts[rule].append((j, compare(ref.rows, rows, ref.answer)))
             print(f"[{time.perf_counter() - began:5.0f} s] task {j + 1}/{len(tasks)}", flush=True)
     finally:
-        real.close(llm)
+        close(llm)
     table = [_row(rule, parts[rule], kinds) for rule in rules]
     for row in table:
         print(f"  {row['rule']:22s} top-1 agreement {row['agreement']:.4f} ± "

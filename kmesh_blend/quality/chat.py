@@ -30,7 +30,10 @@ import torch
 
 from kmesh_blend.blend import BlendRequest, SegmentUse
 
-__all__ = ["ChatDocument", "ChatPrompt", "ChatTask", "chat_tasks", "document_pool"]
+__all__ = [
+    "ChatDocument", "ChatPrompt", "ChatTask", "chat_prompt", "chat_tasks", "document_pool",
+    "encode_text",
+]  # fmt: skip
 
 PROSE_TOPICS = (
     "exceptions", "raise", "assert", "try", "with", "for", "while", "import", "class",
@@ -107,7 +110,7 @@ def document_pool(tokenizer: Any, doc_tokens: int) -> list[ChatDocument]:
 
     prose = []
     for name in PROSE_TOPICS:
-        ids = _encode(tokenizer, reference_text((name,)))
+        ids = encode_text(tokenizer, reference_text((name,)))
         if len(ids) >= doc_tokens:
             title = f"Python reference: {name}"
             prose.append(ChatDocument(f"ref:{name}", title, tuple(ids[:doc_tokens])))
@@ -119,7 +122,7 @@ def document_pool(tokenizer: Any, doc_tokens: int) -> list[ChatDocument]:
             continue
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
         body = [i for i, line in enumerate(lines) if line.startswith(("def ", "class "))]
-        ids = _encode(tokenizer, "".join(lines[body[0] :])) if body else []
+        ids = encode_text(tokenizer, "".join(lines[body[0] :])) if body else []
         if len(ids) >= doc_tokens:
             code.append(ChatDocument(f"code:{module}", f"source of {module}",
                                      tuple(ids[:doc_tokens])))  # fmt: skip
@@ -152,7 +155,7 @@ def chat_tasks(
         docs = tuple(pool[(cursor + k) % len(pool)] for k in range(count))
         cursor += count
         readers = tuple(
-            _prompt(tokenizer, SYSTEMS[(j + k) % len(SYSTEMS)], "Read this document.", [doc],
+            chat_prompt(tokenizer, SYSTEMS[(j + k) % len(SYSTEMS)], "Read this document.", [doc],
                     "What is this document about?")
             for k, doc in enumerate(docs)
         )  # fmt: skip
@@ -162,7 +165,7 @@ def chat_tasks(
             question = _question(tokenizer, order, i, gen)
             system = SYSTEMS[(3 * j + i + 1) % len(SYSTEMS)]
             preamble = PREAMBLES[(j + 2 * i) % len(PREAMBLES)]
-            prompt = _prompt(tokenizer, system, preamble, order, question)
+            prompt = chat_prompt(tokenizer, system, preamble, order, question)
             requests.append(dataclasses.replace(prompt, kind=QUESTION_KINDS[i % 3]))
         tasks.append(ChatTask(docs, readers, tuple(requests)))
     return tasks
@@ -182,7 +185,7 @@ def _question(tokenizer: Any, order: list[ChatDocument], i: int, gen: torch.Gene
     return f"Summarize document {k + 1} ({doc.title}) in two sentences."
 
 
-def _prompt(
+def chat_prompt(
     tokenizer: Any, system: str, preamble: str, docs: list[ChatDocument], question: str
 ) -> ChatPrompt:
     """The chat template over ``system`` and a user turn ``preamble``, the documents (each after
@@ -199,14 +202,14 @@ def _prompt(
     spans = []
     for doc, mark in zip(docs, marks, strict=True):
         head, text = text.split(mark)
-        ids += _encode(tokenizer, head)
+        ids += encode_text(tokenizer, head)
         spans.append((len(ids), len(ids) + len(doc.token_ids), doc.name))
         ids += doc.token_ids
-    ids += _encode(tokenizer, text)
+    ids += encode_text(tokenizer, text)
     return ChatPrompt(tuple(ids), tuple(spans))
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -109,15 +109,9 @@ def test_masters_come_from_each_documents_reader(model: ReferenceModel) -> None:
         assert torch.equal(source.positions(name), torch.arange(start, end))
 
 
-def test_the_benchmark_compares_rules_at_equal_recomputed_tokens(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from pathlib import Path
-
+def test_the_report_compares_rules_at_equal_recomputed_tokens() -> None:
     from kmesh_blend.blend import keep_count
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
-    import _quality_smollm2 as real
+    from kmesh_blend.quality import frontier as real
 
     settings = real.rule_settings(192)
     assert len(settings) == 24 and len(set(settings)) == 24
