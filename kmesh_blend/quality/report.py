@@ -167,7 +167,8 @@ def _served(llm: Any, tasks: Sequence[ChatTask], settings: list[Setting], doc_to
                     for p, s in zip(follow_ups, stock, strict=True)]  # fmt: skip
             identity[label] = sum(same) / len(same)
             log(f"served answers {label}: {identity[label]:.3f} identical")
-    fallbacks = sorted({r.get("fallback") for rs in reports.values() for r in rs} - {None})
+    fallbacks = sorted({str(r["fallback"]) for rs in reports.values() for r in rs
+                        if r.get("fallback")})  # fmt: skip
     if fallbacks:  # a fallen-back request is a full prefill: its TTFT would mislead
         raise SystemExit(f"served follow-ups fell back: {fallbacks}")
     stock_s = statistics.median(times["stock"])

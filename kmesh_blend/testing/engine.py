@@ -43,9 +43,11 @@ def make_llm(checkpoint: str | Path, dtype: str = "float32", **engine_args: Any)
 
 def kv_transfer_config(**settings: Any) -> dict[str, Any]:
     """vLLM's ``kv_transfer_config`` for our connector; ``settings`` are ``kmesh.*`` keys without
-    the prefix (``store="cpu"`` → ``"kmesh.store": "cpu"``)."""
+    the prefix (``store="cpu"`` → ``"kmesh.store": "cpu"``). The engine is named ``kmesh-test``
+    (reports carry it), so reports of two engines compare equal."""
     return {
         "kv_connector": "KMeshConnector",
+        "engine_id": "kmesh-test",
         "kv_connector_module_path": "kmesh_blend.vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {f"kmesh.{k}": v for k, v in settings.items()},
