@@ -35,6 +35,7 @@ from _common import emit, use_allocator
 from kmesh_blend.quality.text import reference_text
 from kmesh_blend.testing import smollm2_checkpoint
 from kmesh_blend.testing.engine import make_llm
+from kmesh_blend.testing.services import free_port, wait_port
 
 Prompt = tuple[list[int], list[list[int]]]
 
@@ -49,14 +50,14 @@ def main() -> None:
     allocator = use_allocator("tcmalloc")  # vLLM's documented CPU set-up, as the other benches
     path = smollm2_checkpoint()
     readers, follow_ups = _prompts(path, 2 * pairs, doc_len)
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"},
     )  # fmt: skip
     try:
-        _wait_port(port)
+        wait_port(port, server)
         config = {
             "kv_connector": "KMeshConnector",
             "kv_connector_module_path": "kmesh_blend.vllm",
@@ -163,27 +164,6 @@ def _prompts(path: Path, count: int, doc_len: int) -> tuple[list[Prompt], list[P
     system, question = "You review Python documentation.", "Which statement comes first?"
     follow_ups = [chat(system, question, d) for d in docs]
     return readers, follow_ups
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int) -> None:
-    import socket
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"the LMCache server did not listen on {port}")
 
 
 if __name__ == "__main__":

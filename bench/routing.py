@@ -53,14 +53,14 @@ MEMBERS, RATIO = 4, 0.15
 
 def workload(families: int, doc_len: int, seed: int) -> dict[str, list[Encoded]]:
     """Per family: its notice, then its members (the same for the same seed)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen, vocab = torch.Generator().manual_seed(seed), TINY_LLAMA.vocab_size
     out = {}
     for k in range(families):
-        doc = torch.randint(3, TINY_LLAMA.vocab_size, (doc_len,), generator=gen).tolist()
+        doc = torch.randint(3, vocab, (doc_len,), generator=gen).tolist()
         prompts = []
         for i in range(MEMBERS + 1):
-            private = torch.randint(3, 2048, (20 + 7 * i,), generator=gen).tolist()
-            question = torch.randint(3, 2048, (12 + i,), generator=gen).tolist()
+            private = torch.randint(3, vocab, (20 + 7 * i,), generator=gen).tolist()
+            question = torch.randint(3, vocab, (12 + i,), generator=gen).tolist()
             prompts.append(
                 Encoded(private + doc + question, [(len(private), len(private) + doc_len)])
             )

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from kmesh_blend.segments.annotation import MAX_FAMILY_LEN
+from kmesh_blend.rules import family_problem
 
 __all__ = ["SESSION_HEADER", "RoutingError", "end_session", "session_headers"]
 
@@ -30,12 +30,11 @@ class RoutingError(RuntimeError):
 
 def session_headers(family: str) -> dict[str, str]:
     """``{"X-Session-ID": family}``; raises `ValueError` for a family the engine would refuse
-    (empty, longer than `MAX_FAMILY_LEN`) or one a header cannot carry (control characters,
+    (`kmesh_blend.rules.family_problem`) or one a header cannot carry (control characters,
     non-ASCII: HTTP header values are ASCII)."""
-    if not isinstance(family, str) or not family or len(family) > MAX_FAMILY_LEN:
-        raise ValueError(
-            f"family={family!r}; valid: a non-empty string of at most {MAX_FAMILY_LEN} chars"
-        )
+    problem = family_problem(family)
+    if problem is not None:
+        raise ValueError(f"family={family!r}; {problem}")
     if not family.isascii() or not family.isprintable():
         raise ValueError(f"family={family!r} cannot travel in the {SESSION_HEADER} header: "
                          "use printable ASCII")  # fmt: skip

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from kmesh_blend.rules import ratio_problem, sink_tokens_problem
+from kmesh_blend.rules import MAX_FAMILY_LEN, family_problem, ratio_problem, sink_tokens_problem
 from kmesh_blend.segments.separator import split_on_separator
 
 __all__ = [
@@ -40,7 +40,6 @@ REMOVED_FIELDS = {
     "prepare": "removed: every request with a 'family' holds its segments in host RAM for the "
     "family; send one ahead of the follow-ups instead",
 }
-MAX_FAMILY_LEN = 256
 SESSION_KEY = "kmesh_session"
 """The ``kv_transfer_params`` key `kmesh_blend.vllm.family_header.FamilyHeader` fills from a
 request's ``X-Session-ID`` header: the family of a request whose annotation names none."""
@@ -274,8 +273,6 @@ def _clip(x: object) -> str:
 
 
 def _check_family(family: object, field: str) -> None:
-    if not isinstance(family, str) or not family or len(family) > MAX_FAMILY_LEN:
-        raise AnnotationError(
-            f"{field}={family!r}; valid: a non-empty string of at most {MAX_FAMILY_LEN} chars",
-            field=field,
-        )
+    problem = family_problem(family)
+    if problem is not None:
+        raise AnnotationError(f"{field}={family!r}; {problem}", field=field)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from kmesh_blend.routing import session_headers
 from kmesh_blend.segments.annotation import Span
 
 __all__ = [
@@ -78,8 +79,6 @@ class Encoded(NamedTuple):
         """This prompt's ``kv_transfer_params`` and the routing header that keeps ``family`` on
         one engine (``settings``: the other `kv_transfer_params` arguments). With the official
         client: ``create(..., extra_body=r.extra_body, extra_headers=r.headers)``."""
-        from kmesh_blend.routing import session_headers  # (it imports this package)
-
         headers = session_headers(family)
         params = self.kv_transfer_params(family=family, **settings)
         return Routed({"kv_transfer_params": params}, headers)
