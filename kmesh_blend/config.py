@@ -18,6 +18,7 @@ StoreKind = Literal["cpu", "disk", "lm", "redis"]
 Selection = Literal["per_request", "collective"]
 Schedule = Literal["layer_sync", "sequential"]
 Deviation = Literal["k", "v", "kv"]
+Drift = Literal["off", "auto"]  # = rules.DRIFTS
 
 PREFIX = "kmesh."
 
@@ -90,6 +91,10 @@ class KMeshConfig:
     request at a time."""
     deviation: Deviation = "k"
     """What a check layer compares between fresh and stored rows: keys, values, or both."""
+    drift_correction: Drift = "off"
+    """``auto``: shift the rows a blend leaves stale by the drift its recomputed rows of the same
+    segment show, scaled by the share of it the dropped rows had at the check layers
+    (`kmesh_blend.blend.drift`); ``off``: stale rows stay as stored. No effect at ratio 0 or 1."""
     round_lifetime: int = 2
     """Rounds a published segment stays in the index unless pinned by an active family (≥ 1)."""
     max_round_jump: int = 64
@@ -126,6 +131,8 @@ class KMeshConfig:
         object.__setattr__(self, "selection", _check_choice("kmesh.selection", self.selection))
         object.__setattr__(self, "schedule", _check_choice("kmesh.schedule", self.schedule))
         object.__setattr__(self, "deviation", _check_choice("kmesh.deviation", self.deviation))
+        drift = _check_choice("kmesh.drift_correction", self.drift_correction)
+        object.__setattr__(self, "drift_correction", drift)
         if (problem := sink_tokens_problem(self.sink_tokens)) is not None:
             _fail("kmesh.sink_tokens", self.sink_tokens, problem, "an int ≥ 0")
         object.__setattr__(self, "sink_tokens", int(self.sink_tokens))
@@ -211,6 +218,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "kmesh.selection": get_args(Selection),
     "kmesh.schedule": get_args(Schedule),
     "kmesh.deviation": get_args(Deviation),
+    "kmesh.drift_correction": get_args(Drift),
 }
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import math
 import operator
 
-__all__ = ["MAX_FAMILY_LEN", "family_problem", "ratio_problem", "sink_tokens_problem"]
+__all__ = ["DRIFTS", "MAX_FAMILY_LEN", "family_problem", "ratio_problem", "sink_tokens_problem"]
 
 MAX_FAMILY_LEN = 256
+DRIFTS = ("off", "auto")  # drift correction: the setting's, a request's and `BlendOptions`' choices
 
 
 def ratio_problem(value: object) -> str | None:

@@ -5,9 +5,11 @@ for every sibling before layer l+1. Per layer it:
 1. projects q/k/v for the tokens it currently computes and rotates them to their new positions;
 2. at a check layer, scores those reused tokens by the deviation of fresh from stored KV and
    keeps the top share (private/gap tokens, the first ``sink_tokens`` of every segment and the
-   last prompt token are always kept);
+   last prompt token are always kept); with drift correction on, it also measures how far the
+   rows it drops moved (`kmesh_blend.blend.drift`);
 3. builds the layer's KV for all T tokens — fresh rows where computed, re-positioned stored rows
-   elsewhere — and lets the computed tokens attend over it causally;
+   elsewhere (shifted by the estimated drift when it is on) — and lets the computed tokens attend
+   over it causally;
 4. finishes the layer (o-proj + MLP) for the computed tokens only.
 
 Ratio 1.0 computes every token in every layer with the same shapes as `prefill`: bit-identical.
@@ -25,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from kmesh_blend.blend.drift import DriftCorrection
 from kmesh_blend.blend.plan import BlendOptions, BlendRequest, check_ratios, keep_count, select_top
 from kmesh_blend.models.layerwise import LayerwiseModel, causal_mask
 from kmesh_blend.ops import token_deviation
@@ -113,6 +116,11 @@ class RequestBlend:
             self.checks = {}
             computed = self.always.clone()
         self.computed = computed.nonzero().squeeze(1)  # [n] int64, ascending
+        self.drift = (
+            DriftCorrection(model.rope, self.positions, own, request.uses)
+            if options.drift_correction == "auto" and self.checks
+            else None
+        )
         self._pos_for, self._pos = self.computed, self.positions[self.computed]
         self.hidden = model.embed(request.token_ids[self.computed])
         self.keys: list[torch.Tensor] = []
@@ -142,6 +150,9 @@ class RequestBlend:
         q, k = m.rotate_qk(layer, q, k, pos)
         if layer in self.checks and stored_k is not None and stored_v is not None:
             keep = self._select(layer, k, v, stored_k, stored_v)
+            if self.drift is not None:
+                self.drift.calibrate(self.computed, k, v, stored_k[self.computed],
+                                     stored_v[self.computed], keep)  # fmt: skip
             q, k, v, self.hidden = q[keep], k[keep], v[keep], self.hidden[keep]
             self.computed = self.computed[keep]
             pos = self._computed_positions()
@@ -151,7 +162,10 @@ class RequestBlend:
             if stored_k is None or stored_v is None:
                 raise ValueError(f"layer {layer}: stored KV is required for reused tokens")
             layer_k, layer_v = stored_k, stored_v  # the frames are ours to fill (see `begin`)
+            stale = None if self.drift is None else (layer_k[self.computed], layer_v[self.computed])
             layer_k[self.computed], layer_v[self.computed] = k, v
+            if stale is not None and self.drift is not None:
+                self.drift.apply(self.computed, k, v, *stale, layer_k, layer_v)
         self._pending = AttentionInput(q, layer_k, layer_v, pos)
         return self._pending
 

@@ -14,12 +14,13 @@ import torch
 
 from kmesh_blend.config import (
     Deviation,
+    Drift,
     KMeshConfig,
     Schedule,
     Selection,
 )
 from kmesh_blend.ops import Backend
-from kmesh_blend.rules import ratio_problem, sink_tokens_problem
+from kmesh_blend.rules import DRIFTS, ratio_problem, sink_tokens_problem
 
 __all__ = [
     "BlendOptions",
@@ -92,6 +93,9 @@ class BlendOptions:
     private tokens (the start-of-segment rule: the tokens whose attention the missing prefix
     distorts most); ``recompute_ratio`` then applies to the segment's other tokens. With ratio 0
     no check layer runs.
+
+    ``drift_correction``: ``"auto"`` shifts the rows left stale by the drift their segment's
+    recomputed rows show (`kmesh_blend.blend.drift`); ``"off"`` leaves them as stored.
     """
 
     recompute_ratio: float = 0.15
@@ -100,6 +104,7 @@ class BlendOptions:
     deviation: Deviation = "k"
     selection: Selection = "per_request"
     schedule: Schedule = "layer_sync"
+    drift_correction: Drift = "off"
     backend: Backend = "auto"
 
     def __post_init__(self) -> None:
@@ -111,6 +116,8 @@ class BlendOptions:
             raise ValueError(f"sink_tokens={self.sink_tokens!r} must be an int ≥ 0")
         if self.deviation not in ("k", "v", "kv"):
             raise ValueError(f"deviation={self.deviation!r}; valid: 'k', 'v', 'kv'")
+        if self.drift_correction not in DRIFTS:
+            raise ValueError(f"drift_correction={self.drift_correction!r}; valid: 'off', 'auto'")
 
     @classmethod
     def from_config(cls, config: KMeshConfig, **overrides: object) -> BlendOptions:
@@ -121,13 +128,17 @@ class BlendOptions:
             "selection": config.selection,
             "schedule": config.schedule,
             "deviation": config.deviation,
+            "drift_correction": config.drift_correction,
         }
         fields.update(overrides)
         return cls(**fields)  # type: ignore[arg-type]
 
-    def for_request(self, recompute_ratio: float | None, sink_tokens: int | None) -> BlendOptions:
-        """These options with a request's own ratio and sink tokens (None: keep these)."""
-        changes = {"recompute_ratio": recompute_ratio, "sink_tokens": sink_tokens}
+    def for_request(self, recompute_ratio: float | None, sink_tokens: int | None,
+                    drift_correction: str | None = None) -> BlendOptions:  # fmt: skip
+        """These options with a request's own ratio, sink tokens and drift correction (None:
+        keep these)."""
+        changes = {"recompute_ratio": recompute_ratio, "sink_tokens": sink_tokens,
+                   "drift_correction": drift_correction}  # fmt: skip
         given = {name: value for name, value in changes.items() if value is not None}
         return dataclasses.replace(self, **given) if given else self  # type: ignore[arg-type]
 

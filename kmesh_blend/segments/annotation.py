@@ -4,7 +4,7 @@ A request names its shared segments as half-open token spans of its prompt (docs
 
     {"kmesh": {"segments": [[start, end], ...], "family": "doc-42", "round": 0,
                "keep": false, "close": false,
-               "recompute_ratio": 0.3, "sink_tokens": 16}}
+               "recompute_ratio": 0.3, "sink_tokens": 16, "drift_correction": "auto"}}
 
 or, for clients that cannot send parameters, a configured separator token sequence splits the
 prompt (`split_on_separator`). `parse_request` is what the engine side calls: it never raises;
@@ -21,7 +21,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from kmesh_blend.rules import MAX_FAMILY_LEN, family_problem, ratio_problem, sink_tokens_problem
+from kmesh_blend.rules import (
+    DRIFTS,
+    MAX_FAMILY_LEN,
+    family_problem,
+    ratio_problem,
+    sink_tokens_problem,
+)
 from kmesh_blend.segments.separator import split_on_separator
 
 __all__ = [
@@ -34,6 +40,7 @@ Span = tuple[int, int]
 
 KNOWN_FIELDS: tuple[str, ...] = (
     "segments", "family", "round", "keep", "close", "recompute_ratio", "sink_tokens",
+    "drift_correction",
 )  # fmt: skip
 # Fields an earlier release took, with what to do instead.
 REMOVED_FIELDS = {
@@ -77,9 +84,16 @@ class Annotation:
     """This request's own ``kmesh.recompute_ratio`` (None: the engine's)."""
     sink_tokens: int | None = None
     """This request's own ``kmesh.sink_tokens`` (None: the engine's)."""
+    drift_correction: str | None = None
+    """This request's own ``kmesh.drift_correction`` (None: the engine's)."""
 
     def _replace_source(self, source: Literal["params", "separator"]) -> Annotation:
         return dataclasses.replace(self, source=source)
+
+    @property
+    def blend_settings(self) -> tuple[float | None, int | None, str | None]:
+        """The request's own (recompute_ratio, sink_tokens, drift_correction); None: engine's."""
+        return self.recompute_ratio, self.sink_tokens, self.drift_correction
 
     @property
     def num_shared_tokens(self) -> int:
@@ -111,7 +125,7 @@ def parse_request(
     ``token_ids`` [num_tokens] and ``separator`` are used when a separator is configured
     (separator mode) and the request has no ``"kmesh"`` entry, or one without ``"segments"``
     (it then carries only ``family`` / ``round`` / ``keep`` / ``close`` and the
-    request's own ``recompute_ratio`` / ``sink_tokens``).
+    request's own ``recompute_ratio`` / ``sink_tokens`` / ``drift_correction``).
     """
     try:
         kmesh = session = None
@@ -194,10 +208,14 @@ def parse_annotation(kmesh: object, num_tokens: int, max_model_len: int) -> Anno
     sinks = kmesh.get("sink_tokens")
     if sinks is not None and sink_tokens_problem(sinks) is not None:
         raise AnnotationError(f"sink_tokens={sinks!r}; valid: an int >= 0", field="sink_tokens")
+    drift = kmesh.get("drift_correction")
+    if drift is not None and drift not in DRIFTS:
+        raise AnnotationError(f"drift_correction={_clip(drift)}; valid: 'off' or 'auto'",
+                              field="drift_correction")  # fmt: skip
     return Annotation(
         spans, family, round_, keep, close=close,
         recompute_ratio=None if ratio is None else float(ratio),
-        sink_tokens=None if sinks is None else int(sinks),
+        sink_tokens=None if sinks is None else int(sinks), drift_correction=drift,
     )  # fmt: skip
 
 

@@ -66,12 +66,14 @@ class Encoded(NamedTuple):
     def kv_transfer_params(
         self, *, family: str | None = None, round: int | None = None, close: bool = False,
         recompute_ratio: float | None = None, sink_tokens: int | None = None,
+        drift_correction: str | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """The ``kv_transfer_params`` dict of docs/contract.md for this prompt (``None`` / false
         fields are left out: the engine's settings apply)."""
         kmesh: dict[str, Any] = {"segments": [list(s) for s in self.spans]}
         optional = {"family": family, "round": round, "close": close or None,
-                    "recompute_ratio": recompute_ratio, "sink_tokens": sink_tokens}  # fmt: skip
+                    "recompute_ratio": recompute_ratio, "sink_tokens": sink_tokens,
+                    "drift_correction": drift_correction}  # fmt: skip
         kmesh.update({k: v for k, v in optional.items() if v is not None})
         return {"kmesh": kmesh}
 

@@ -90,6 +90,7 @@ class LoadRequest:
     family: str | None = None  # the masters it reads are held for this family until it closes
     recompute_ratio: float | None = None  # the request's own setting (None: the engine's)
     sink_tokens: int | None = None  # the request's own setting (None: the engine's)
+    drift_correction: str | None = None  # the request's own setting (None: the engine's)
     _slots: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def slots(self, block_size: int) -> torch.Tensor:

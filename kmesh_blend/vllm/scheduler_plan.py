@@ -30,7 +30,8 @@ class Plan:
     round: int | None = None
     scope: str = ""  # whose round clock `round` counts on (`rounds.scope_of`)
     close: bool = False
-    options: tuple[float | None, int | None] = (None, None)  # the request's ratio, sink tokens
+    # the request's own ratio, sink tokens and drift correction (None: the engine's)
+    options: tuple[float | None, int | None, str | None] = (None, None, None)
     report: Report = field(default_factory=new_report)
     before: Report | None = None  # its report when it was preempted (`reports.resumed`)
 
@@ -41,4 +42,5 @@ class Plan:
             req_id, self.token_ids, self.blocks, self.loads, self.first, turn=turn,
             turn_len=turn_len, keep=self.keep, family=self.family,
             recompute_ratio=self.options[0], sink_tokens=self.options[1],
+            drift_correction=self.options[2],
         )  # fmt: skip

@@ -135,7 +135,7 @@ class SchedulerSide:
         family = None if annotation.family is None else family_key(salt, annotation.family)
         plan = Plan(tokens, refs, first=num_computed_tokens, family=family,
                      round=annotation.round, scope=scope, close=annotation.close,
-                     options=(annotation.recompute_ratio, annotation.sink_tokens))  # fmt: skip
+                     options=annotation.blend_settings)  # fmt: skip
         plan.report.update({"family": annotation.family} if annotation.family else {})
         self.rounds.announce(scope, annotation.round)
         # Rescheduled after a preemption (perhaps asked again while it waited for memory): the

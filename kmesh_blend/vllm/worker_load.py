@@ -121,7 +121,7 @@ def blend_groups(model: LayerwiseModel, ready: list[tuple[LoadRequest, BlendRequ
     tokens); results in ``ready``'s order."""
     groups: dict[BlendOptions, list[int]] = {}
     for i, (load, _) in enumerate(ready):
-        mine = options.for_request(load.recompute_ratio, load.sink_tokens)
+        mine = options.for_request(load.recompute_ratio, load.sink_tokens, load.drift_correction)
         groups.setdefault(mine, []).append(i)
     source, results = MasterSource(masters), dict[int, BlendResult]()
     for mine, members in groups.items():

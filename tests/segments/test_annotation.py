@@ -58,6 +58,8 @@ def test_unannotated_request_is_not_a_fallback() -> None:
         ({"segments": [[0, 3]], "recompute_ratio": True}, "recompute_ratio="),
         ({"segments": [[0, 3]], "sink_tokens": -1}, "sink_tokens=-1"),
         ({"segments": [[0, 3]], "sink_tokens": 2.0}, "sink_tokens="),
+        ({"segments": [[0, 3]], "drift_correction": "on"}, "drift_correction='on'; valid: 'off'"),
+        ({"segments": [[0, 3]], "drift_correction": 1}, "drift_correction=1"),
         ([[0, 3]], "not a dict"),
     ],
 )
@@ -195,4 +197,6 @@ def test_a_request_may_carry_its_own_blend_setting() -> None:
     c = parse_annotation({"segments": [[0, 3]], "sink_tokens": np.int64(4)}, 10, 64)
     assert type(c.sink_tokens) is int and c.sink_tokens == 4  # what the blend's options accept
     b = parse_annotation({"segments": [[0, 3]]}, 10, 64)
-    assert (b.recompute_ratio, b.sink_tokens) == (None, None)
+    assert (b.recompute_ratio, b.sink_tokens, b.drift_correction) == (None, None, None)
+    d = parse_annotation({"segments": [[0, 3]], "drift_correction": "auto"}, 10, 64)
+    assert d.drift_correction == "auto"
