@@ -28,7 +28,8 @@ GOAL_RATIOS = (0.5, 0.7)  # deviation rule only, per request: how far the ratio 
 
 def rule_settings(doc_tokens: int, quick: bool = False) -> list[Setting]:
     """Every rule at every ratio, per selection mode; ratios 0 and 1.0 once per mode; then the
-    deviation rule per request at `GOAL_RATIOS`. ``quick``: per request only."""
+    deviation rule per request at `GOAL_RATIOS`; then the deviation rule with drift correction,
+    per request, at every ratio between 0 and 1. ``quick``: per request only."""
     out = []
     for selection in SELECTIONS[:1] if quick else SELECTIONS:
         for ratio in RATIOS:
@@ -40,6 +41,7 @@ def rule_settings(doc_tokens: int, quick: bool = False) -> list[Setting]:
                 rest = (count - COMBINED_SINKS) / (doc_tokens - COMBINED_SINKS)
                 out.append(Setting(rest, selection, sink_tokens=COMBINED_SINKS))
     out.extend(Setting(ratio) for ratio in GOAL_RATIOS)
+    out.extend(Setting(ratio, drift="auto") for ratio in (*RATIOS[1:-1], *GOAL_RATIOS))
     return out
 
 
@@ -73,7 +75,8 @@ def recommend(rows: list[dict[str, Any]], target: float, max_ttft: float) -> dic
         return {"settings": {"kmesh.recompute_ratio": 1.0}, "meets_target": False,
                 "agreement": 1.0, "ttft_vs_stock": None, "target": target, "why": why}  # fmt: skip
     settings = {"kmesh.recompute_ratio": best["ratio"], "kmesh.sink_tokens": best["sink_tokens"],
-                "kmesh.selection": "per_request"}  # fmt: skip
+                "kmesh.selection": "per_request",
+                "kmesh.drift_correction": best.get("drift_correction", "off")}  # fmt: skip
     return {"settings": settings, "nominal": best["nominal"], "agreement": best["agreement"],
             "agreement_se": best["agreement_se"], "ttft_vs_stock": best["ttft_vs_stock"],
             "meets_target": bool(faithful), "target": target, "why": why}  # fmt: skip
@@ -89,7 +92,8 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
 
     rows = result["config"]["table"]
     fig, (ax_q, ax_t) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for rule, marker in (("deviation", "o"), ("sink", "s"), ("sink+deviation", "^")):
+    rules = (("deviation", "o"), ("sink", "s"), ("sink+deviation", "^"), ("deviation+drift", "D"))
+    for rule, marker in rules:
         for selection, style in (("per_request", "-"), ("collective", ":")):
             pts = sorted(
                 (r["recomputed"], r["agreement"], r["ttft_vs_stock"])

@@ -24,7 +24,7 @@ from kmesh_blend.blend import (
     blend_group,
     segment_kv_from_prefill,
 )
-from kmesh_blend.config import Selection
+from kmesh_blend.config import Drift, Selection
 from kmesh_blend.models.layerwise import LayerwiseModel, prefill
 from kmesh_blend.quality.metrics import Comparison, compare, continuation_logits
 from kmesh_blend.quality.tasks import QualityTask, tasks_from_files
@@ -51,26 +51,32 @@ MasterHook = Callable[[SegmentKV], SegmentKV]
 
 @dataclass(frozen=True)
 class Setting:
-    """One blend configuration: ``recompute_ratio``, ``selection`` mode and ``sink_tokens``."""
+    """One blend configuration: ``recompute_ratio``, ``selection`` mode, ``sink_tokens`` and
+    ``drift`` (`BlendOptions.drift_correction`)."""
 
     ratio: float
     selection: Selection = "per_request"
     sink_tokens: int = 0
+    drift: Drift = "off"
 
     @property
     def rule(self) -> str:
-        """Which selection rule acts: ``deviation``, ``sink``, ``sink+deviation``, or ``none``
-        (plain reuse) / ``all`` (ratio 1.0)."""
+        """Which rule acts: ``deviation``, ``sink``, ``sink+deviation``, each with ``+drift``
+        when drift correction is on, or ``none`` (plain reuse) / ``all`` (ratio 1.0)."""
         if self.ratio >= 1.0:
             return "all"
         if self.sink_tokens:
-            return "sink+deviation" if self.ratio > 0 else "sink"
-        return "deviation" if self.ratio > 0 else "none"
+            rule = "sink+deviation" if self.ratio > 0 else "sink"
+        else:
+            rule = "deviation" if self.ratio > 0 else "none"
+        # Drift correction needs a check layer (a deviation ratio) to act.
+        return f"{rule}+drift" if self.drift == "auto" and self.ratio > 0 else rule
 
     @property
     def label(self) -> str:
         sinks = f" sinks {self.sink_tokens}" if self.sink_tokens else ""
-        return f"{self.selection} {self.ratio:g}{sinks}"
+        drift = " drift" if self.drift == "auto" else ""
+        return f"{self.selection} {self.ratio:g}{sinks}{drift}"
 
     def options(self, check_layers: tuple[int, ...]) -> BlendOptions:
         """The blend options of this setting (``layer_sync`` groups)."""
@@ -80,6 +86,7 @@ class Setting:
             selection=self.selection,
             schedule="layer_sync",
             sink_tokens=self.sink_tokens,
+            drift_correction=self.drift,
         )
 
 

@@ -114,6 +114,7 @@ def _row(r: Any, doc_tokens: int, ttft: dict[str, float]) -> dict[str, Any]:
         "selection": r.setting.selection,
         "ratio": round(r.setting.ratio, 4),
         "sink_tokens": r.setting.sink_tokens,
+        "drift_correction": r.setting.drift,
         "recomputed": round(r.recomputed, 4),
         "agreement": round(r.agreement, 4),
         "agreement_se": round(r.agreement_se, 4),
@@ -135,7 +136,8 @@ def _served(llm: Any, tasks: Sequence[ChatTask], settings: list[Setting], doc_to
     def generate(prompt: ChatPrompt, setting: Setting | None, tokens: int) -> Any:
         extra = None
         if setting is not None:
-            own = {"recompute_ratio": setting.ratio, "sink_tokens": setting.sink_tokens}
+            own = {"recompute_ratio": setting.ratio, "sink_tokens": setting.sink_tokens,
+                   "drift_correction": setting.drift}  # fmt: skip
             extra = {"kv_transfer_params": {"kmesh": {**prompt.annotation(), **own}}}
         p = SamplingParams(temperature=0.0, max_tokens=tokens, extra_args=extra)
         (out,) = llm.generate([{"prompt_token_ids": list(prompt.token_ids)}], p, use_tqdm=False)

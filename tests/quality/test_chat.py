@@ -114,10 +114,14 @@ def test_the_report_compares_rules_at_equal_recomputed_tokens() -> None:
     from kmesh_blend.quality import frontier as real
 
     settings = real.rule_settings(192)
-    assert len(settings) == 24 and len(set(settings)) == 24
+    assert len(settings) == 29 and len(set(settings)) == 29
     assert {s for s in settings if s.ratio in real.GOAL_RATIOS} == {
-        Setting(r) for r in real.GOAL_RATIOS
+        Setting(r, drift=d) for r in real.GOAL_RATIOS for d in ("off", "auto")
     }
+    drift = [s for s in settings if s.drift == "auto"]
+    assert [s.ratio for s in drift] == [0.05, 0.15, 0.3, 0.5, 0.7]
+    assert {s.rule for s in drift} == {"deviation+drift"} and drift[1].label.endswith(" drift")
+    assert Setting(0.0, drift="auto").rule == "none"  # no check layer: nothing to correct
     assert [real.nominal(Setting(r), 192) for r in real.GOAL_RATIOS] == [
         "deviation 0.5",
         "deviation 0.7",

@@ -19,7 +19,8 @@ from kmesh_blend.testing import TINY_QWEN2, build_checkpoint
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 ROW_FIELDS = {
-    "rule", "nominal", "selection", "ratio", "sink_tokens", "recomputed", "agreement",
+    "rule", "nominal", "selection", "ratio", "sink_tokens", "drift_correction", "recomputed",
+    "agreement",
     "agreement_se", "kl", "kl_se", "identical_answers", "answer_prefix", "blend_s_per_family",
     "agreement_by_question", "ttft_vs_stock",
 }  # fmt: skip
@@ -63,7 +64,10 @@ def test_the_report_runs_on_a_model_the_repository_does_not_ship(tmp_path: Path)
     assert all(0.0 <= r["agreement"] <= 1.0 for r in cfg["table"])
     floor = cfg["bf16_full_prefill_vs_fp32"]
     assert set(floor) == {"agreement", "agreement_se", "kl", "identical_answers"}
-    assert set(cfg["ttft_vs_stock"]) >= {"stock", "deviation 0.15", "none"}
+    assert set(cfg["ttft_vs_stock"]) >= {"stock", "deviation 0.15", "deviation+drift 0.15", "none"}
+    drift = next(r for r in cfg["table"] if r["nominal"] == "deviation+drift 0.15")
+    plain = next(r for r in cfg["table"] if r["nominal"] == "deviation 0.15")
+    assert drift["drift_correction"] == "auto" and drift["recomputed"] == plain["recomputed"]
     recommended = cfg["recommended"]
     assert recommended["target"] == floor["agreement"]  # the model's own bf16 error by default
     assert result["value"] == recommended["agreement"] and recommended["why"]
