@@ -37,7 +37,11 @@ interleaved on the KMesh engine (the stock path there): a cross-check free of en
 Both engines run under tcmalloc by default, the allocator vLLM's CPU guide requires for
 performance (``--allocator system`` for glibc's malloc; config.allocator says which ran).
 
+``--drift-correction auto``: the KMesh engine runs with ``kmesh.drift_correction`` on (what it
+costs on top of the blend); result name gets ``_drift``.
+
 Run: python bench/follow_up_ttft.py [--quick] [--model bench|smollm2] [--workload families|mixed]
+     [--drift-correction off|auto]
      [--allocator tcmalloc|system]
 """
 
@@ -261,6 +265,8 @@ def main() -> None:
         choices=["tcmalloc", "system"],
         help="tcmalloc (vLLM's documented CPU setup, default) or the system malloc",
     )
+    parser.add_argument("--drift-correction", default="off", choices=["off", "auto"],
+                        help="the KMesh engine's kmesh.drift_correction")  # fmt: skip
     args = parser.parse_args()
     allocator = use_allocator(args.allocator)
     doc_len = 512 if args.quick else 2048
@@ -276,6 +282,8 @@ def main() -> None:
             rounds=[(pair[0], chat) for pair, chat in zip(work.rounds, chats, strict=True)],
             details={**work.details, **chat_details},
         )
+    if args.drift_correction != "off":
+        work = work._replace(name=f"{work.name}_drift")
 
     def ttft(llm: Any, ids: list[int], spans: list[list[int]] | None) -> tuple[float, Any]:
         extra = {"kv_transfer_params": {"kmesh": {"segments": spans}}} if spans else None
@@ -314,7 +322,11 @@ def main() -> None:
             "kv_connector": "KMeshConnector",
             "kv_connector_module_path": "kmesh_blend.vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"kmesh.store": "cpu", "kmesh.recompute_ratio": RATIO},
+            "kv_connector_extra_config": {
+                "kmesh.store": "cpu",
+                "kmesh.recompute_ratio": RATIO,
+                "kmesh.drift_correction": args.drift_correction,
+            },
         },
         **common,
     )
@@ -373,6 +385,7 @@ def main() -> None:
                 "document": doc_len,
                 "tokens": work.tokens,
                 "recompute_ratio": RATIO,
+                "drift_correction": args.drift_correction,
                 "seconds_median": {k: round(v, 4) for k, v in med.items()},
                 "kmesh_vs_unannotated_same_engine": round(same_engine, 4),
                 "unannotated_overhead": round(overhead, 4),

@@ -157,6 +157,24 @@ def _reference_points(cfg: dict) -> list[str]:
         f"engine's on {floor['agreement']:.3f} ± {floor['agreement_se']:.3f} of answer positions "
         f"(KL {floor['kl']:.2e}, identical answers {floor['identical_answers']:.3f}); the full "
         f"prefill's top-1 leads its top-2 by {gaps}; the deviation rule reaches 0.99 {goal}.",
+        *_goal_line(cfg),
+    ]
+
+
+def _goal_line(cfg: dict) -> list[str]:
+    goal = cfg.get("goal")
+    if goal is None:  # a result from before the goal was stated against bf16
+        return []
+    ceiling = goal.get("selection_ceiling")
+    past = "" if ceiling is None else (
+        f"; the selection ceiling (the best oracle choice of tokens) is {ceiling:.3f}, which it "
+        f"{'passes' if goal['past_selection_ceiling'] else 'does not pass'}"
+    )  # fmt: skip
+    return [
+        "",
+        f"Goal (reuse error no larger than bf16's): at ratio 0.15 the best method "
+        f"({cfg.get('headline_rule', 'deviation')}) agrees on {goal['agreement']:.3f} against the "
+        f"bf16 floor {goal['bf16_floor']:.3f}: {'met' if goal['reached'] else 'not met'}{past}.",
     ]
 
 

@@ -52,3 +52,10 @@ def test_reference_points_and_oracles_come_from_the_json(run_all: Any) -> None:
     assert "8 follow-ups, 250 positions, quick run" in text
     result["config"]["goal_reached_at_ratio"] = 0.7
     assert "reaches 0.99 from ratio 0.7" in "\n".join(run_all._real_quality_rows(result))
+    assert "Goal (reuse error" not in "\n".join(run_all._real_quality_rows(result))
+    result["config"].update(headline_rule="deviation+drift", goal={
+        "agreement": 0.9636, "bf16_floor": 0.9803, "reached": False, "selection_ceiling": 0.9607,
+        "past_selection_ceiling": True})  # fmt: skip
+    text = "\n".join(run_all._real_quality_rows(result))
+    assert "best method (deviation+drift) agrees on 0.964 against the bf16 floor 0.980: not met" \
+        in text and "is 0.961, which it passes" in text  # fmt: skip
