@@ -42,8 +42,8 @@ def test_variants(model: ReferenceModel, bench: Any) -> None:
     def run(drift: Any = None, mass: float | None = None) -> Any:
         return bench._run(bench._Variant(model, request, options, drift, mass), stale)
 
-    shipped = blend_group(model, [request], source,
-                          BlendOptions(recompute_ratio=0.15, drift_correction="auto"))[0]  # fmt: skip
+    on = BlendOptions(recompute_ratio=0.15, drift_correction="auto")
+    shipped = blend_group(model, [request], source, on)[0]
     auto = run(DriftCorrection)
     assert all(torch.equal(a, b) for a, b in zip(auto.keys, shipped.keys, strict=True))
     assert torch.equal(auto.logits, shipped.logits)
