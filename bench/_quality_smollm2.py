@@ -72,10 +72,11 @@ def run(quick: bool, num_tasks: int, check_layers: tuple[int, ...]) -> dict[str,
     cfg["goal_reached_at_ratio"] = min(reached, default=None)
     return {
         "name": "quality_smollm2",
-        "metric": "top-1 agreement with full prefill at ratio 0.15 (multi-document chat)",
+        "metric": "top-1 agreement with full prefill at ratio 0.15, best method (multi-document "
+        "chat); goal: the same run's bf16 full prefill's",
         "value": headline["agreement"],
         "unit": "fraction",
-        "goal": 0.99,
+        "goal": floor,
         "baseline": "full prefill, same engine",
         "quick": quick,
         "config": cfg,

@@ -100,8 +100,8 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
                 for r in rows
                 if r["selection"] == selection and r["rule"] in (rule, "none", "all")
             )
-            if not pts:
-                continue
+            if not any(r["selection"] == selection and r["rule"] == rule for r in rows):
+                continue  # only the shared end points (plain reuse, full recompute)
             xs = [p[0] for p in pts]
             ax_q.plot(xs, [p[1] for p in pts], style, marker=marker, label=f"{rule} {selection}")
             if selection == "per_request":

@@ -39,7 +39,7 @@ from kmesh_blend.quality.harness import Setting
 __all__ = ["ANSWER_TOKENS", "close", "engine", "run"]
 
 ANSWER_TOKENS = 32
-SERVED_ANSWERS = ("deviation 0.15", "sink 0.15")
+SERVED_ANSWERS = ("deviation 0.15", "sink 0.15", "deviation+drift 0.15")
 NEAR_TIE_GAPS = (0.1, 0.5)
 Log = Callable[[str], None]
 
