@@ -21,10 +21,12 @@ cache rows, a collective leader's rows).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kmesh_blend.blend.plan import SegmentUse
-from kmesh_blend.models.rope import RotaryEmbedding
+from kmesh_blend.models.rope import RotaryEmbedding, Rotation, rotate
 
 __all__ = ["DriftCorrection"]
 
@@ -46,6 +48,11 @@ class DriftCorrection:
         # span start → (α_k, α_v), each [Hkv, 1] fp32
         self.alphas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.shifted_rows = 0
+        # Per computed set (the executor keeps one tensor from a check layer to the next): the
+        # rotation back to position 0 of its rows, and each span's rows and stale rows.
+        self._plan_for: torch.Tensor | None = None
+        self._back: Rotation | None = None
+        self._spans: list[_SpanPlan] = []
 
     @torch.no_grad()
     def calibrate(
@@ -62,12 +69,10 @@ class DriftCorrection:
         dk, dv = self._deltas(computed, fresh_k, fresh_v, stored_k, stored_v)
         kept = torch.zeros(computed.numel(), dtype=torch.bool)
         kept[keep] = True
-        own = self.own[computed]
-        for start, end in self.spans:
-            inside = own & (computed >= start) & (computed < end)
-            a, b = inside & kept, inside & ~kept
+        for span in self._spans:
+            a, b = span.inside & kept, span.inside & ~kept
             if bool(a.any()) and bool(b.any()):
-                self.alphas[start] = (_share(dk[a], dk[b]), _share(dv[a], dv[b]))
+                self.alphas[span.start] = (_share(dk[a], dk[b]), _share(dv[a], dv[b]))
 
     @torch.no_grad()
     def apply(
@@ -75,7 +80,9 @@ class DriftCorrection:
         stored_k: torch.Tensor, stored_v: torch.Tensor, layer_k: torch.Tensor,
         layer_v: torch.Tensor,
     ) -> None:  # fmt: skip
-        """Shift the stale own rows of ``layer_k`` / ``layer_v`` [T, Hkv, D] (in place).
+        """Shift the own rows of ``layer_k`` / ``layer_v`` [T, Hkv, D] (in place), *before* the
+        caller writes the computed rows over them: every own row of a segment use is shifted (one
+        contiguous range, no gather), and the computed ones are then overwritten.
 
         ``computed``: [n] int64 rows computed in this layer, ``fresh_*`` their rows and
         ``stored_*`` the stored rows of the same tokens, each [n, Hkv, D].
@@ -83,33 +90,64 @@ class DriftCorrection:
         if not self.alphas:
             return
         dk, dv = self._deltas(computed, fresh_k, fresh_v, stored_k, stored_v)
-        is_computed = torch.zeros_like(self.own)
-        is_computed[computed] = True
-        stale_all = self.own & ~is_computed
-        own_computed = self.own[computed]
-        for start, end in self.spans:
-            alphas = self.alphas.get(start)
-            if alphas is None:
+        for span in self._spans:
+            alphas = self.alphas.get(span.start)
+            if alphas is None or span.stale == 0 or not span.any_inside:
                 continue
-            inside = own_computed & (computed >= start) & (computed < end)
-            stale = stale_all[start:end].nonzero().squeeze(1) + start
-            if not bool(inside.any()) or stale.numel() == 0:
-                continue
-            shift_k = (alphas[0] * dk[inside].mean(0)).expand(stale.numel(), -1, -1)
-            shift_v = alphas[1] * dv[inside].mean(0)
-            moved = self.rope.apply(shift_k.contiguous(), self.positions[stale])
-            layer_k[stale] += moved.to(layer_k.dtype)
-            layer_v[stale] += shift_v.to(layer_v.dtype)
-            self.shifted_rows += stale.numel()
+            shift_k = (alphas[0] * dk[span.inside].mean(0))[None]  # [1, Hkv, D], unrotated
+            shift_v = alphas[1] * dv[span.inside].mean(0)
+            rows = slice(*span.rows)
+            turn = span.turn
+            if turn.cos.dtype != layer_k.dtype:
+                turn = span.turn = Rotation(turn.cos.to(layer_k.dtype),
+                                            turn.signed_sin.to(layer_k.dtype))  # fmt: skip
+            layer_k[rows] += rotate(shift_k.to(layer_k.dtype), turn)
+            layer_v[rows] += shift_v.to(layer_v.dtype)
+            self.shifted_rows += span.stale
 
     def _deltas(
         self, computed: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
         stored_k: torch.Tensor, stored_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """fresh − stored, [n, Hkv, D] fp32: keys turned back to position 0 (unrotated)."""
-        back = -self.positions[computed]
-        dk = self.rope.apply((fresh_k.float() - stored_k.float()).contiguous(), back)
+        if computed is not self._plan_for:
+            self._plan(computed)
+        assert self._back is not None
+        dk = rotate(fresh_k.float() - stored_k.float(), self._back)
         return dk, fresh_v.float() - stored_v.float()
+
+    def _plan(self, computed: torch.Tensor) -> None:
+        self._plan_for = computed
+        self._back = self.rope.tables(-self.positions[computed], torch.float32)
+        own_computed = self.own[computed]
+        self._spans = []
+        for start, end in self.spans:
+            # A use's own rows are one range: all of it, or what follows an exact prefix.
+            own = self.own[start:end].nonzero().squeeze(1)
+            if own.numel() == 0:
+                continue
+            first, last = start + int(own[0]), start + int(own[-1]) + 1
+            if last - first != own.numel():
+                raise ValueError(f"segment use [{start}, {end}): its own rows are not one range")
+            inside = own_computed & (computed >= start) & (computed < end)
+            stale = own.numel() - int(inside.sum())
+            turn = self.rope.tables(self.positions[first:last], torch.float32)
+            self._spans.append(_SpanPlan(start, inside, bool(inside.any()), (first, last), stale,
+                                         turn))  # fmt: skip
+
+
+@dataclass
+class _SpanPlan:
+    """One segment use under one computed set: ``inside`` [n] bool, its own computed rows;
+    ``rows``: the range [first, last) of its own rows; ``stale``: how many of them are not
+    computed; ``turn``: the rotation to the range's positions (cast to the KV dtype once)."""
+
+    start: int
+    inside: torch.Tensor
+    any_inside: bool
+    rows: tuple[int, int]
+    stale: int
+    turn: Rotation
 
 
 def _share(kept: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:

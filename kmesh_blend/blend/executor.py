@@ -162,10 +162,10 @@ class RequestBlend:
             if stored_k is None or stored_v is None:
                 raise ValueError(f"layer {layer}: stored KV is required for reused tokens")
             layer_k, layer_v = stored_k, stored_v  # the frames are ours to fill (see `begin`)
-            stale = None if self.drift is None else (layer_k[self.computed], layer_v[self.computed])
+            if self.drift is not None:  # shifts own rows; the computed ones are overwritten next
+                stored = (layer_k[self.computed], layer_v[self.computed])
+                self.drift.apply(self.computed, k, v, *stored, layer_k, layer_v)
             layer_k[self.computed], layer_v[self.computed] = k, v
-            if stale is not None and self.drift is not None:
-                self.drift.apply(self.computed, k, v, *stale, layer_k, layer_v)
         self._pending = AttentionInput(q, layer_k, layer_v, pos)
         return self._pending
 

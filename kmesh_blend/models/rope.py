@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["RopeConfig", "RotaryEmbedding", "rotate_half"]
+__all__ = ["RopeConfig", "RotaryEmbedding", "Rotation", "rotate", "rotate_half"]
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -104,25 +104,42 @@ class RotaryEmbedding:
             )
         if positions.shape != (x.shape[0],):
             raise ValueError(f"positions must be [{x.shape[0]}], got {tuple(positions.shape)}")
-        cos, signed_sin = self._tables(positions, x.dtype)
-        half = x.shape[-1] // 2
-        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-        out = x * cos[:, None, :]
-        out += swapped * signed_sin[:, None, :]
-        return out
+        return rotate(x, self._tables(positions, x.dtype))
 
-    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """(cos, (−sin, sin)) [T, head_dim] in ``dtype``; memoized for the last ``positions``
-        tensor (the blend passes the same one layer after layer)."""
-        memo = self._memo
-        if memo is not None and memo[0] is positions and memo[1] == dtype:
-            return memo[2], memo[3]
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """The rotation to ``positions`` [T] int (negative ones rotate back): tables in
+        ``dtype``, for callers that rotate several tensors to the same positions (`rotate`)."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos = torch.cat((angles, angles), dim=-1).cos().to(dtype)
         sin = angles.sin().to(dtype)
-        signed_sin = torch.cat((-sin, sin), dim=-1)
-        self._memo = (positions, dtype, cos, signed_sin)
-        return cos, signed_sin
+        return Rotation(cos, torch.cat((-sin, sin), dim=-1))
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """`tables`, memoized for the last ``positions`` tensor (the blend passes the same one
+        layer after layer)."""
+        memo = self._memo
+        if memo is not None and memo[0] is positions and memo[1] == dtype:
+            return Rotation(memo[2], memo[3])
+        rotation = self.tables(positions, dtype)
+        self._memo = (positions, dtype, *rotation)
+        return rotation
+
+
+class Rotation(NamedTuple):
+    """RoPE tables of T positions: ``cos`` and ``signed_sin`` = (−sin, sin), each [T, head_dim]."""
+
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+
+
+def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """``x`` [T, heads, head_dim] (or [1, heads, head_dim]: one vector per head, broadcast over
+    the T positions) rotated by ``rotation``: x·cos + swap(x)·(−sin, sin), a new tensor."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    out = x * rotation.cos[:, None, :]
+    out += swapped * rotation.signed_sin[:, None, :]
+    return out
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

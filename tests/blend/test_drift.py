@@ -41,11 +41,12 @@ def _setup(drift_of_dropped: float) -> tuple[DriftCorrection, torch.Tensor, ...]
 def _apply(drift: DriftCorrection, kept: torch.Tensor, fresh_k: torch.Tensor,
            fresh_v: torch.Tensor, stored_k: torch.Tensor,
            stored_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A layer as the executor builds it: the stored rows shifted, then the computed rows."""
     layer_k, layer_v = stored_k.clone(), stored_v.clone()
     rows = kept.nonzero().squeeze(1)
-    layer_k[rows], layer_v[rows] = fresh_k[rows], fresh_v[rows]
     drift.apply(rows, fresh_k[rows], fresh_v[rows], stored_k[rows], stored_v[rows],
                 layer_k, layer_v)  # fmt: skip
+    layer_k[rows], layer_v[rows] = fresh_k[rows], fresh_v[rows]
     return layer_k, layer_v
 
 
@@ -87,8 +88,19 @@ def test_borrowed_rows_are_never_shifted() -> None:
     rows = torch.arange(16)
     drift.apply(rows, fresh_k[rows], fresh_v[rows], stored_k[rows], stored_v[rows],
                 layer_k, layer_v)  # fmt: skip
-    assert torch.equal(layer_k[:16], stored_k[:16])  # borrowed rows and computed rows: as given
+    assert torch.equal(layer_k[:12], stored_k[:12])  # borrowed rows: as given
+    assert torch.equal(layer_v[:12], stored_v[:12])
     assert not torch.equal(layer_k[16:], stored_k[16:])  # own stale rows moved
+    assert drift.shifted_rows == T - 16
+
+
+def test_own_rows_must_form_one_range() -> None:
+    rope = RotaryEmbedding(RopeConfig(head_dim=D))
+    own = torch.ones(T, dtype=torch.bool)
+    own[5] = False
+    drift = DriftCorrection(rope, torch.arange(T), own, (SegmentUse(0, T, "doc"),))
+    with pytest.raises(ValueError, match="not one range"):
+        drift.calibrate(torch.arange(T), _rows(0), _rows(1), _rows(2), _rows(3), torch.arange(4))
 
 
 @pytest.fixture(scope="module")
