@@ -37,11 +37,11 @@ interleaved on the KMesh engine (the stock path there): a cross-check free of en
 Both engines run under tcmalloc by default, the allocator vLLM's CPU guide requires for
 performance (``--allocator system`` for glibc's malloc; config.allocator says which ran).
 
-``--drift-correction auto``: the KMesh engine runs with ``kmesh.drift_correction`` on (what it
-costs on top of the blend); result name gets ``_drift``.
+``--drift-correction``: the KMesh engine's ``kmesh.drift_correction`` (default ``auto``, the
+engine's default); ``off`` measures the blend without it, and the result name gets ``_nodrift``.
 
 Run: python bench/follow_up_ttft.py [--quick] [--model bench|smollm2] [--workload families|mixed]
-     [--drift-correction off|auto]
+     [--drift-correction auto|off]
      [--allocator tcmalloc|system]
 """
 
@@ -265,7 +265,7 @@ def main() -> None:
         choices=["tcmalloc", "system"],
         help="tcmalloc (vLLM's documented CPU setup, default) or the system malloc",
     )
-    parser.add_argument("--drift-correction", default="off", choices=["off", "auto"],
+    parser.add_argument("--drift-correction", default="auto", choices=["auto", "off"],
                         help="the KMesh engine's kmesh.drift_correction")  # fmt: skip
     args = parser.parse_args()
     allocator = use_allocator(args.allocator)
@@ -282,8 +282,8 @@ def main() -> None:
             rounds=[(pair[0], chat) for pair, chat in zip(work.rounds, chats, strict=True)],
             details={**work.details, **chat_details},
         )
-    if args.drift_correction != "off":
-        work = work._replace(name=f"{work.name}_drift")
+    if args.drift_correction == "off":
+        work = work._replace(name=f"{work.name}_nodrift")
 
     def ttft(llm: Any, ids: list[int], spans: list[list[int]] | None) -> tuple[float, Any]:
         extra = {"kv_transfer_params": {"kmesh": {"segments": spans}}} if spans else None

@@ -91,10 +91,11 @@ class KMeshConfig:
     request at a time."""
     deviation: Deviation = "k"
     """What a check layer compares between fresh and stored rows: keys, values, or both."""
-    drift_correction: Drift = "off"
+    drift_correction: Drift = "auto"
     """``auto``: shift the rows a blend leaves stale by the drift its recomputed rows of the same
     segment show, scaled by the share of it the dropped rows had at the check layers
-    (`kmesh_blend.blend.drift`); ``off``: stale rows stay as stored. No effect at ratio 0 or 1."""
+    (`kmesh_blend.blend.drift`); ``off``: stale rows stay as stored (plain CacheBlend). No
+    effect at ratio 0 or 1."""
     round_lifetime: int = 2
     """Rounds a published segment stays in the index unless pinned by an active family (≥ 1)."""
     max_round_jump: int = 64

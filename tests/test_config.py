@@ -51,7 +51,7 @@ def test_round_trip() -> None:
         "kmesh.selection": "collective",
         "kmesh.schedule": "sequential",
         "kmesh.deviation": "k",
-        "kmesh.drift_correction": "off",
+        "kmesh.drift_correction": "auto",
         "kmesh.round_lifetime": 2,
         "kmesh.max_round_jump": 64,
         "kmesh.retention_bytes": 1 << 30,

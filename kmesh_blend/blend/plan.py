@@ -95,7 +95,9 @@ class BlendOptions:
     no check layer runs.
 
     ``drift_correction``: ``"auto"`` shifts the rows left stale by the drift their segment's
-    recomputed rows show (`kmesh_blend.blend.drift`); ``"off"`` leaves them as stored.
+    recomputed rows show (`kmesh_blend.blend.drift`); ``"off"`` leaves them as stored. Off here
+    (the plain CacheBlend primitive); the engine's setting, `KMeshConfig.drift_correction`,
+    defaults to ``"auto"`` and reaches the blend through `from_config`.
     """
 
     recompute_ratio: float = 0.15
