@@ -32,6 +32,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _stale_rows import run_on_stale, smollm2_tasks
+
 from kmesh_blend.blend import BlendOptions, BlendRequest, RequestBlend, blend_group
 from kmesh_blend.blend.drift import DriftCorrection
 from kmesh_blend.blend.plan import check_ratios, keep_count
@@ -105,13 +108,6 @@ class _Variant(RequestBlend):
         return score
 
 
-def _run(blend: RequestBlend, stale: Any) -> Any:
-    for layer in range(len(stale.keys)):
-        inp = blend.begin(layer, stale.keys[layer].clone(), stale.values[layer].clone())
-        blend.end(layer, blend.attend(layer, inp))
-    return blend.finish()
-
-
 def _stale_error(res: Any, full: list[tuple[torch.Tensor, torch.Tensor]],
                  reused: torch.Tensor) -> tuple[float, float]:  # fmt: skip
     stale = reused & ~res.recomputed
@@ -127,23 +123,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 tasks instead of 8")
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import emit
     from quality import SMOLLM2_CHECKS
-    from transformers import AutoTokenizer
 
     from kmesh_blend.models.layerwise import prefill
     from kmesh_blend.quality import Setting
-    from kmesh_blend.quality.chat import chat_tasks
     from kmesh_blend.quality.chat_harness import aggregate, masters, references
     from kmesh_blend.quality.metrics import compare, continuation_logits
-    from kmesh_blend.quality.report import ANSWER_TOKENS, close, engine
-    from kmesh_blend.testing import smollm2_checkpoint
+    from kmesh_blend.quality.report import ANSWER_TOKENS, close
 
     began = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
-    tasks = chat_tasks(tokenizer, 2 if args.quick else 8, doc_tokens=192)
-    llm, model = engine(smollm2_checkpoint(), SMOLLM2_CHECKS, 2048)
+    tokenizer, tasks, llm, model = smollm2_tasks(args.quick, SMOLLM2_CHECKS)
     opts = {
         r: BlendOptions(recompute_ratio=r, check_layers=SMOLLM2_CHECKS) for r in (RATIO, 0.3, 0.5)
     }
@@ -175,7 +165,7 @@ def main() -> None:
                 for name, (options, drift, mass) in variants.items():
                     if drift == "oracle":
                         drift = lambda *a, full=full: _OracleShift(full, *a)  # noqa: E731
-                    res = _run(_Variant(model, request, options, drift, mass), stale)
+                    res = run_on_stale(_Variant(model, request, options, drift, mass), stale)
                     rows = continuation_logits(model, res.keys, res.values, res.logits, ref.answer)
                     parts[name].append((j, compare(ref.rows, rows, ref.answer)))
                     errors[name].append(_stale_error(res, full, request.reused_mask))

@@ -31,7 +31,10 @@ from typing import Any
 
 import torch
 
-from kmesh_blend.blend import BlendOptions, BlendRequest, BlendResult, RequestBlend, blend_group
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _stale_rows import run_on_stale, smollm2_tasks
+
+from kmesh_blend.blend import BlendOptions, BlendRequest, RequestBlend, blend_group
 from kmesh_blend.models.layerwise import LayerwiseModel, causal_mask
 from kmesh_blend.quality.metrics import compare, continuation_logits
 
@@ -48,14 +51,6 @@ class _Ranked(RequestBlend):
 
     def _score(self, k: Any, v: Any, stored_k: Any, stored_v: Any) -> torch.Tensor:
         return self.score[self.computed]
-
-
-def _run(blend: RequestBlend, stale: BlendResult) -> BlendResult:
-    """All layers of one request; stored rows are the plain-reuse blend's (re-positioned)."""
-    for layer in range(len(stale.keys)):
-        inp = blend.begin(layer, stale.keys[layer].clone(), stale.values[layer].clone())
-        blend.end(layer, blend.attend(layer, inp))
-    return blend.finish()
 
 
 def _distance(full: list[torch.Tensor], stale: list[torch.Tensor]) -> torch.Tensor:
@@ -98,20 +93,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 tasks instead of 8")
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import emit
     from quality import SMOLLM2_CHECKS
-    from transformers import AutoTokenizer
 
-    from kmesh_blend.quality.chat import chat_tasks
     from kmesh_blend.quality.chat_harness import masters, references
-    from kmesh_blend.quality.report import ANSWER_TOKENS, close, engine
-    from kmesh_blend.testing import smollm2_checkpoint
+    from kmesh_blend.quality.report import ANSWER_TOKENS, close
 
     began = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
-    tasks = chat_tasks(tokenizer, 2 if args.quick else 8, doc_tokens=192)
-    llm, model = engine(smollm2_checkpoint(), SMOLLM2_CHECKS, 2048)
+    tokenizer, tasks, llm, model = smollm2_tasks(args.quick, SMOLLM2_CHECKS)
     rules = ("deviation", "oracle K", "oracle V", "oracle attention", "oracle attention × V")
     parts: dict[str, list[Any]] = {rule: [] for rule in rules}
     kinds: list[str] = []
@@ -135,7 +124,7 @@ def main() -> None:
                           "oracle attention × V": mass * v_dist}  # fmt: skip
                 outs = {"deviation": out}
                 for rule, score in scores.items():
-                    outs[rule] = _run(_Ranked(model, request, score), stale)
+                    outs[rule] = run_on_stale(_Ranked(model, request, score), stale)
                 for rule, res in outs.items():
                     if res.num_recomputed != out.num_recomputed:
                         raise SystemExit(f"{rule} recomputed {res.num_recomputed} tokens, "

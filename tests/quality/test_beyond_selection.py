@@ -40,7 +40,7 @@ def test_variants(model: ReferenceModel, bench: Any) -> None:
     options = BlendOptions(recompute_ratio=0.15, check_layers=(1,))
 
     def run(drift: Any = None, mass: float | None = None) -> Any:
-        return bench._run(bench._Variant(model, request, options, drift, mass), stale)
+        return bench.run_on_stale(bench._Variant(model, request, options, drift, mass), stale)
 
     on = BlendOptions(recompute_ratio=0.15, drift_correction="auto")
     shipped = blend_group(model, [request], source, on)[0]

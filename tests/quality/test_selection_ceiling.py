@@ -37,18 +37,18 @@ def test_oracle_blend_recomputes_the_top_scored_tokens(model: ReferenceModel, ce
     plain = BlendOptions(recompute_ratio=0.0, check_layers=(1,))
     stale = blend_group(model, [request], source, plain)[0]
     score = torch.rand(request.token_ids.numel(), generator=torch.Generator().manual_seed(3))
-    out = ceiling._run(ceiling._Ranked(model, request, score), stale)
+    out = ceiling.run_on_stale(ceiling._Ranked(model, request, score), stale)
     reused = request.reused_mask
     rows = reused.nonzero().squeeze(1)
     count = keep_count(ceiling.RATIO, rows.numel())  # ranked across the request's documents
     want = torch.zeros_like(reused)
     want[rows[score[rows].topk(count).indices]] = True
     assert count > 0 and torch.equal(out.recomputed, want)
-    # The same selection through the group executor gives the same bits: `_run` feeds the plain
-    # blend's stored rows, which are the re-positioned masters.
+    # The same selection through the group executor gives the same bits: `run_on_stale` feeds
+    # the plain blend's stored rows, which are the re-positioned masters.
     default = BlendOptions(recompute_ratio=ceiling.RATIO, check_layers=(1,))
     grouped = blend_group(model, [request], source, default)[0]
-    rerun = ceiling._run(ceiling._Ranked(model, request, _deviation_order(grouped)), stale)
+    rerun = ceiling.run_on_stale(ceiling._Ranked(model, request, _deviation_order(grouped)), stale)
     assert torch.equal(rerun.recomputed, grouped.recomputed)
     assert all(torch.equal(a, b) for a, b in zip(rerun.keys, grouped.keys, strict=True))
     assert torch.equal(rerun.logits, grouped.logits)
