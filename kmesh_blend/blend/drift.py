@@ -70,7 +70,7 @@ class DriftCorrection:
         kept = torch.zeros(computed.numel(), dtype=torch.bool)
         kept[keep] = True
         for span in self._spans:
-            a, b = span.inside & kept, span.inside & ~kept
+            a, b = (span.inside & kept).to(dk.device), (span.inside & ~kept).to(dk.device)
             if bool(a.any()) and bool(b.any()):
                 self.alphas[span.start] = (_share(dk[a], dk[b]), _share(dv[a], dv[b]))
 
@@ -94,13 +94,13 @@ class DriftCorrection:
             alphas = self.alphas.get(span.start)
             if alphas is None or span.stale == 0 or not span.any_inside:
                 continue
-            shift_k = (alphas[0] * dk[span.inside].mean(0))[None]  # [1, Hkv, D], unrotated
-            shift_v = alphas[1] * dv[span.inside].mean(0)
+            inside = span.inside.to(dk.device)
+            shift_k = (alphas[0] * dk[inside].mean(0))[None]  # [1, Hkv, D], unrotated
+            shift_v = alphas[1] * dv[inside].mean(0)
             rows = slice(*span.rows)
             turn = span.turn
-            if turn.cos.dtype != layer_k.dtype:
-                turn = span.turn = Rotation(turn.cos.to(layer_k.dtype),
-                                            turn.signed_sin.to(layer_k.dtype))  # fmt: skip
+            if turn.cos.dtype != layer_k.dtype or turn.cos.device != layer_k.device:
+                turn = span.turn = Rotation(*(t.to(layer_k.device, layer_k.dtype) for t in turn))
             layer_k[rows] += rotate(shift_k.to(layer_k.dtype), turn)
             layer_v[rows] += shift_v.to(layer_v.dtype)
             self.shifted_rows += span.stale
@@ -112,8 +112,11 @@ class DriftCorrection:
         """fresh − stored, [n, Hkv, D] fp32: keys turned back to position 0 (unrotated)."""
         if computed is not self._plan_for:
             self._plan(computed)
-        assert self._back is not None
-        dk = rotate(fresh_k.float() - stored_k.float(), self._back)
+        back = self._back
+        assert back is not None
+        if back.cos.device != fresh_k.device:  # the model's device (CUDA); positions stay on CPU
+            back = self._back = Rotation(*(t.to(fresh_k.device) for t in back))
+        dk = rotate(fresh_k.float() - stored_k.float(), back)
         return dk, fresh_v.float() - stored_v.float()
 
     def _plan(self, computed: torch.Tensor) -> None:
