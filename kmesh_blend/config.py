@@ -95,7 +95,8 @@ class KMeshConfig:
     """``auto``: shift the rows a blend leaves stale by the drift its recomputed rows of the same
     segment show, scaled by the share of it the dropped rows had at the check layers
     (`kmesh_blend.blend.drift`); ``off``: stale rows stay as stored (plain CacheBlend). No
-    effect at ratio 0 or 1."""
+    effect at ratio 0 or 1. With ``cascade_decode`` on, the engine's blends run without it
+    (cascade reads stale rows from the master as stored); a request may still ask for it."""
     round_lifetime: int = 2
     """Rounds a published segment stays in the index unless pinned by an active family (≥ 1)."""
     max_round_jump: int = 64

@@ -130,7 +130,10 @@ class BlendOptions:
             "selection": config.selection,
             "schedule": config.schedule,
             "deviation": config.deviation,
-            "drift_correction": config.drift_correction,
+            # Cascade decode reads a sibling's stale rows straight from the master: shifted rows
+            # would fail its row check and be read one request at a time. A request may still
+            # ask for drift correction itself.
+            "drift_correction": "off" if config.cascade_decode else config.drift_correction,
         }
         fields.update(overrides)
         return cls(**fields)  # type: ignore[arg-type]

@@ -103,6 +103,9 @@ class KMeshConnector(KVConnectorBase_V1):
                 batch_order(vllm_config),
             )
         log.info("kmesh: %s side ready (%s)", role.name.lower(), self.config)
+        if self.config.cascade_decode and self.config.drift_correction == "auto":
+            log.info("kmesh: drift correction is off with cascade decode (which reads stale rows "
+                     "from the master as stored); a request may still ask for it")  # fmt: skip
         if self.scheduler is not None:
             log_report()  # a worker in this process has logged it after its KV caches
 

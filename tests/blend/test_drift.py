@@ -130,3 +130,16 @@ def test_blend_with_drift_on(llama: ReferenceModel, layout: str) -> None:
             assert torch.equal(a.keys[0], b.keys[0]) and torch.equal(a.values[0], b.values[0])
             stale = req.reused_mask & ~a.recomputed
             assert not torch.equal(a.values[-1][stale], b.values[-1][stale])
+
+
+def test_the_engine_default_is_on_except_under_cascade_decode() -> None:
+    from kmesh_blend.config import KMeshConfig
+
+    assert BlendOptions().drift_correction == "off"  # the library primitive: plain CacheBlend
+    assert BlendOptions.from_config(KMeshConfig()).drift_correction == "auto"
+    cascade = KMeshConfig(cascade_decode=True)
+    assert BlendOptions.from_config(cascade).drift_correction == "off"
+    # A request that asks for it still gets it.
+    assert BlendOptions.from_config(cascade).for_request(None, None, "auto").drift_correction == (
+        "auto"
+    )
