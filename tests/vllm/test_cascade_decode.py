@@ -75,7 +75,11 @@ def _result(o: Any) -> Result:
 
 def _serve(path: Path, dtype: str, model: str, doc_len: int, **kmesh: Any) -> list[Result]:
     """The reader, then each family in one batch; the family of 4 decodes beside an
-    unannotated prompt. Results: the families' follow-ups in order, then the unannotated one."""
+    unannotated prompt. Results: the families' follow-ups in order, then the unannotated one.
+
+    Drift correction is off in every run: with cascade decode on, the engine turns it off
+    (`BlendOptions.from_config`), so both sides of a comparison decode the same prompt KV."""
+    kmesh.setdefault("drift_correction", "off")
     family = _prompts(model, doc_len)
     tokens = MAX_TOKENS[model]
     plain = family[2][0][:-3]  # a prompt no annotation covers
