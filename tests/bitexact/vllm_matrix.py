@@ -95,9 +95,10 @@ def run_engine(
     schedule: str,
     fail: str | None = None,
     cascade: bool = False,
+    drift: str = "auto",
 ) -> dict[str, Outcome]:
     """Run every family on a fresh engine; ``fail``: the key of a follow-up whose load fails;
-    ``cascade``: with ``kmesh.cascade_decode`` on.
+    ``cascade``: with ``kmesh.cascade_decode`` on; ``drift``: ``kmesh.drift_correction``.
 
     Returns key → `Outcome` for every follow-up, and ``key + "/plain"`` for the failed one run
     again unannotated (vLLM's own full prefill) when ``fail`` is set.
@@ -106,7 +107,7 @@ def run_engine(
 
     checkpoint, vocab = MODELS[model]
     extra = {"kmesh.store": store, "kmesh.schedule": schedule, "kmesh.recompute_ratio": 0.15,
-             "kmesh.cascade_decode": cascade}  # fmt: skip
+             "kmesh.cascade_decode": cascade, "kmesh.drift_correction": drift}  # fmt: skip
     llm = make_llm(
         checkpoint(),
         dtype=DTYPES[dtype],
