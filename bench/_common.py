@@ -115,7 +115,10 @@ def cpu_flags() -> dict[str, bool | str]:
 
 
 def emit(result: dict[str, Any]) -> None:
-    """Print the contract's last line: one JSON object."""
+    """Print the contract's last line: one JSON object; its ``config.cpu`` names this machine's
+    CPU (`cpu_flags`) unless the script set it."""
+    if isinstance(result.get("config"), dict):
+        result["config"].setdefault("cpu", cpu_flags())
     print(json.dumps(result), flush=True)
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_flags, emit, plot_bars, progress
+from _common import emit, plot_bars, progress
 
 from kmesh_blend.segments.client import Encoded
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
@@ -142,7 +142,7 @@ def main() -> None:
             "rounds": repeats,
             "documents_bytes": doc_bytes, "wall_goal": 1.0,
             "wall_vs_round_robin": round(fam["wall_s"] / rr["wall_s"], 4),
-            "reads_per_family_goal": 1.0, "cpu": cpu_flags(), "policies": results,
+            "reads_per_family_goal": 1.0, "policies": results,
         },
     })  # fmt: skip
 
