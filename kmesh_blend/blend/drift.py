@@ -22,6 +22,7 @@ cache rows, a collective leader's rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -48,8 +49,10 @@ class DriftCorrection:
         # span start → (α_k, α_v), each [Hkv, 1] fp32
         self.alphas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.shifted_rows = 0
+        # Each use's own rows and their rotation: the request's, made at the first plan.
+        self._ranges: list[_OwnRange] | None = None
         # Per computed set (the executor keeps one tensor from a check layer to the next): the
-        # rotation back to position 0 of its rows, and each span's rows and stale rows.
+        # rotation back to position 0 of its rows, and which of each use's own rows it holds.
         self._plan_for: torch.Tensor | None = None
         self._back: Rotation | None = None
         self._spans: list[_SpanPlan] = []
@@ -72,7 +75,7 @@ class DriftCorrection:
         for span in self._spans:
             a, b = (span.inside & kept).to(dk.device), (span.inside & ~kept).to(dk.device)
             if bool(a.any()) and bool(b.any()):
-                self.alphas[span.start] = (_share(dk[a], dk[b]), _share(dv[a], dv[b]))
+                self.alphas[span.own.start] = (_share(dk[a], dk[b]), _share(dv[a], dv[b]))
 
     @torch.no_grad()
     def apply(
@@ -91,16 +94,17 @@ class DriftCorrection:
             return
         dk, dv = self._deltas(computed, fresh_k, fresh_v, stored_k, stored_v)
         for span in self._spans:
-            alphas = self.alphas.get(span.start)
+            alphas = self.alphas.get(span.own.start)
             if alphas is None or span.stale == 0 or not span.any_inside:
                 continue
             inside = span.inside.to(dk.device)
             shift_k = (alphas[0] * dk[inside].mean(0))[None]  # [1, Hkv, D], unrotated
             shift_v = alphas[1] * dv[inside].mean(0)
-            rows = slice(*span.rows)
-            turn = span.turn
+            rows = slice(span.own.first, span.own.last)
+            turn = span.own.turn
             if turn.cos.dtype != layer_k.dtype or turn.cos.device != layer_k.device:
-                turn = span.turn = Rotation(*(t.to(layer_k.device, layer_k.dtype) for t in turn))
+                turn = span.own.turn = Rotation(*(t.to(layer_k.device, layer_k.dtype)
+                                                  for t in turn))  # fmt: skip
             layer_k[rows] += rotate(shift_k.to(layer_k.dtype), turn)
             layer_v[rows] += shift_v.to(layer_v.dtype)
             self.shifted_rows += span.stale
@@ -120,10 +124,19 @@ class DriftCorrection:
         return dk, fresh_v.float() - stored_v.float()
 
     def _plan(self, computed: torch.Tensor) -> None:
+        if self._ranges is None:
+            self._ranges = self._own_ranges()
         self._plan_for = computed
         self._back = self.rope.tables(-self.positions[computed], torch.float32)
         own_computed = self.own[computed]
         self._spans = []
+        for own in self._ranges:
+            inside = own_computed & (computed >= own.first) & (computed < own.last)
+            stale = own.last - own.first - int(inside.sum())
+            self._spans.append(_SpanPlan(own, inside, bool(inside.any()), stale))
+
+    def _own_ranges(self) -> list[_OwnRange]:
+        out = []
         for start, end in self.spans:
             # A use's own rows are one range: all of it, or what follows an exact prefix.
             own = self.own[start:end].nonzero().squeeze(1)
@@ -132,25 +145,30 @@ class DriftCorrection:
             first, last = start + int(own[0]), start + int(own[-1]) + 1
             if last - first != own.numel():
                 raise ValueError(f"segment use [{start}, {end}): its own rows are not one range")
-            inside = own_computed & (computed >= start) & (computed < end)
-            stale = own.numel() - int(inside.sum())
             turn = self.rope.tables(self.positions[first:last], torch.float32)
-            self._spans.append(_SpanPlan(start, inside, bool(inside.any()), (first, last), stale,
-                                         turn))  # fmt: skip
+            out.append(_OwnRange(start, first, last, turn))
+        return out
 
 
 @dataclass
-class _SpanPlan:
-    """One segment use under one computed set: ``inside`` [n] bool, its own computed rows;
-    ``rows``: the range [first, last) of its own rows; ``stale``: how many of them are not
-    computed; ``turn``: the rotation to the range's positions (cast to the KV dtype once)."""
+class _OwnRange:
+    """A segment use (starting at ``start``) and its own rows [first, last); ``turn``: the
+    rotation to their positions (moved to the KV's dtype and device at first use)."""
 
     start: int
+    first: int
+    last: int
+    turn: Rotation
+
+
+class _SpanPlan(NamedTuple):
+    """A use's own rows under one computed set: ``inside`` [n] bool, which computed rows are
+    among them; ``stale``: how many of them are not computed."""
+
+    own: _OwnRange
     inside: torch.Tensor
     any_inside: bool
-    rows: tuple[int, int]
     stale: int
-    turn: Rotation
 
 
 def _share(kept: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
