@@ -124,6 +124,12 @@ class KMeshConfig:
     bandwidth, which bounds decode on a GPU, but on CPU (the only backend wired) it is slower than
     vLLM's fused kernel for the same arithmetic (docs/cascade.md); and it sums in
     another order (fp32 tokens equal, log-probabilities differ in the last bits)."""
+    share_kv_memory: bool = False
+    """With ``cascade_decode``: once a reader of stored masters decodes in cascade, the blocks of
+    its prompt that hold only segment rows go back to vLLM's block pool; the family's master is
+    held once next to vLLM's KV budget (host RAM), each reader's replaced rows (its mirror)
+    beside it (`kmesh_blend/vllm/kv_release.py`). More agents fit one KV budget; blocks stay
+    wherever every later step cannot be served by the cascade path (the report says why)."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -155,6 +161,15 @@ class KMeshConfig:
             _fail("kmesh.compress_mirrors", self.compress_mirrors, "not a bool", "true or false")
         if not isinstance(self.cascade_decode, bool):
             _fail("kmesh.cascade_decode", self.cascade_decode, "not a bool", "true or false")
+        if not isinstance(self.share_kv_memory, bool):
+            _fail("kmesh.share_kv_memory", self.share_kv_memory, "not a bool", "true or false")
+        if self.share_kv_memory and not self.cascade_decode:
+            _fail(
+                "kmesh.share_kv_memory",
+                True,
+                "needs kmesh.cascade_decode (the only path that reads a released reader's KV)",
+                "false, or kmesh.cascade_decode true",
+            )
 
     @property
     def store_spec(self) -> StoreSpec:

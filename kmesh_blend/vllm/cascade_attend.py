@@ -63,7 +63,9 @@ def attend_kernel(kernel: Kernel, index: int, step: Step, query: torch.Tensor,
                   key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, heads: Heads,
                   scale: float) -> None:  # fmt: skip
     """Layer ``index`` on the CPU kernel: query [t, H·D], key / value [t, Hkv·D] of the whole
-    step; writes the cascade requests' rows of ``out`` [t, H, D]."""
+    step; writes the cascade requests' rows of ``out`` [t, H, D]. One call per `per_call(heads)`
+    requests (the kernel keeps n · H/Hkv query rows in reach: at most 64); each call reads the
+    masters once more."""
     buffers = step.composition.layers[index]
     own_k, own_v = buffers.own
     width = own_k.shape[2] * 16
@@ -72,13 +74,24 @@ def attend_kernel(kernel: Kernel, index: int, step: Step, query: torch.Tensor,
     masters, starts = composition.masters, [width]
     for m, _ in masters:
         starts.append(starts[-1] + m.size)
-    kernel(
-        out, step.tokens, query.view(-1, num_heads, dim), key.view(-1, kv_heads, dim),
-        value.view(-1, kv_heads, dim), own_k, own_v, buffers.bias[:, :width], cols,
-        [m.k_t[index] for m, _ in masters], [m.v[index] for m, _ in masters],
-        [buffers.bias[:, a:b] for a, b in itertools.pairwise(starts)], composition.rotations,
-        scale,
-    )  # fmt: skip
+    query, key, value = (query.view(-1, num_heads, dim), key.view(-1, kv_heads, dim),
+                         value.view(-1, kv_heads, dim))  # fmt: skip
+    master_k, master_v = [m.k_t[index] for m, _ in masters], [m.v[index] for m, _ in masters]
+    spans = [(0, width), *itertools.pairwise(starts)]
+    n, chunk = int(step.tokens.numel()), per_call(heads)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        biases = [buffers.bias[a:b, lo:hi] for lo, hi in spans]
+        kernel(
+            out, step.tokens[a:b], query, key, value, own_k[a:b], own_v[a:b], biases[0],
+            cols[a:b], master_k, master_v, biases[1:], [r[a:b] for r in composition.rotations],
+            scale,
+        )  # fmt: skip
+
+
+def per_call(heads: Heads) -> int:
+    """Requests one CPU kernel call serves: n · H/Hkv ≤ 64 query rows."""
+    return max(1, 64 * heads.num_kv_heads // heads.num_heads)
 
 
 def attend_torch(index: int, step: Step, query: torch.Tensor, key: torch.Tensor,

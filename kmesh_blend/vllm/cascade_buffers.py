@@ -100,8 +100,8 @@ def compose(
         masters.append((master, -deltas, group))
     layers: list[Layer] = []
     for layer, cache in enumerate(src.caches):
-        prompt = [plan.own_slots[layer] for _, plan in chosen]
-        width = max(int(p.numel()) for p in prompt) + capacity
+        prompt = [plan.num_own(layer) for _, plan in chosen]
+        width = max(prompt) + capacity
         if tiled:  # whole tiles of 16 keys
             width += -width % 16
         # the torch path computes on fp32 copies, as its masters (`SharedMaster`)
@@ -109,20 +109,25 @@ def compose(
         k_t = torch.zeros(n, kv_heads, dim, width, dtype=own_dtype)
         v = torch.zeros(n, kv_heads, width, dim, dtype=own_dtype)
         parts = [torch.full((n, width), MASKED)]
-        for r, ((i, plan), own) in enumerate(zip(chosen, prompt, strict=True)):
+        for r, (i, plan) in enumerate(chosen):
+            # its prompt rows, then its generated rows (in blocks after its prompt: never given
+            # back)
             pos = torch.arange(plan.num_tokens, plan.num_tokens + generated[r])
             blocks = batch.block_table[i].to(torch.int64)[pos // block_size]
-            slots = torch.cat((own, blocks * block_size + pos % block_size))
-            rk, rv = src.layout.read(cache, slots.to(cache.device))
-            k_t[r, :, :, : slots.numel()] = rk.cpu().to(own_dtype).permute(1, 2, 0)
-            v[r, :, : slots.numel()] = rv.cpu().to(own_dtype).transpose(0, 1)
-            parts[0][r, : slots.numel()] = 0.0
+            slots = blocks * block_size + pos % block_size
+            gk, gv = src.layout.read(cache, slots.to(cache.device))
+            pk, pv = plan.own_rows(layer, src.layout, cache)
+            rk, rv = torch.cat((pk, gk.cpu())), torch.cat((pv, gv.cpu()))
+            n_rows = rk.shape[0]
+            k_t[r, :, :, :n_rows] = rk.to(own_dtype).permute(1, 2, 0)
+            v[r, :, :n_rows] = rv.to(own_dtype).transpose(0, 1)
+            parts[0][r, :n_rows] = 0.0
         for master, _, group in masters:
             reads = torch.full((n, master.size), MASKED)
             for r, _, rows in group:
                 reads[r] = torch.where(rows[layer], 0.0, MASKED)
             parts.append(reads)
-        first_free = torch.tensor([int(p.numel()) for p in prompt], dtype=torch.int64)
+        first_free = torch.tensor(prompt, dtype=torch.int64)
         rows_of = OwnRows(tile_keys(k_t), pair_values(v)) if tiled else OwnRows(k_t, v)
         layers.append(Layer(rows_of, first_free, torch.cat(parts, dim=1)))
     rotations = []

@@ -38,6 +38,7 @@ from kmesh_blend.vllm.cascade_attend import (
 )
 from kmesh_blend.vllm.cascade_buffers import Composition, Sources, compose
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
+from kmesh_blend.vllm.kv_release import Sharing
 from kmesh_blend.vllm.seam.cpu_attention import attn_scale, run_kernel, sub_batch
 
 if TYPE_CHECKING:
@@ -51,6 +52,10 @@ ReqIds = Callable[[int], "list[str] | None"]
 Fields = dict[str, "int | str | None"]  # report fields of one request
 
 _PREEMPTED = "preempted: {}; later steps on vLLM's kernel"
+_PINNED = (
+    "kmesh: requests whose segment blocks went back to vLLM's pool (kmesh.share_kv_memory) "
+    "cannot be served by vLLM's kernel, and this step cannot run in cascade: {}"
+)
 
 
 class CascadeDecode:
@@ -63,8 +68,6 @@ class CascadeDecode:
     def __init__(self, kv: EngineKV, req_ids: ReqIds, kernel: Kernel | None = None) -> None:
         self.layers, self.caches, self.layout, self.rope, heads = kv
         self.kernel = kernel
-        # the kernel holds n · H/Hkv query rows of a master in registers' reach: at most 64
-        self.limit = 64 * heads.num_kv_heads // heads.num_heads if kernel is not None else 1 << 30
         self.heads = heads
         self.num_heads, self.num_kv_heads, self.head_dim = heads
         self.req_ids = req_ids
@@ -76,23 +79,34 @@ class CascadeDecode:
         self._step: Step | None = None
         self._composition: Composition | None = None
         self.broken: str | None = None  # set by an error inside the path: vLLM's forward only
+        self.sharing: Sharing | None = None  # with kmesh.share_kv_memory (`share`)
+
+    def share(self, world_size: int) -> None:
+        """Give back released readers' segment blocks from now on (``kmesh.share_kv_memory``)."""
+        off = None
+        if self.kernel is None:
+            off = "cascade decode runs on its plain-torch fallback, not the CPU kernel"
+        elif world_size > 1:
+            off = f"tensor parallelism ({world_size} ranks would each have to agree)"
+        self.sharing = Sharing(off)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
-    def add(
-        self, req_id: str, block_ids: list[int], slots: torch.Tensor, uses: list[MasterUse]
-    ) -> None:
-        """A request blended this step (``slots`` [T] int64: its T prompt tokens' slots); its
-        plan is armed at its first decode step."""
+    def add(self, req_id: str, block_ids: list[int], slots: torch.Tensor, uses: list[MasterUse],
+            first: int = 0) -> None:  # fmt: skip
+        """A request blended this step (``slots`` [T] int64: its T prompt tokens' slots; the
+        blend wrote tokens ``first``.. of them); its plan is armed at its first decode step."""
         self.drop(req_id)
         if self.broken is not None:
             self.reports[req_id] = {"cascade_off": f"cascade decode failed: {self.broken}"}
         elif uses:
-            self.plans[req_id] = DecodePlan(req_id, list(block_ids), slots, uses)
+            self.plans[req_id] = DecodePlan(req_id, list(block_ids), slots, uses, first)
             self.reports[req_id] = {"cascade_steps": 0}
 
     def drop(self, req_id: str, reason: str | None = None) -> None:
         plan = self.plans.pop(req_id, None)
+        if self.sharing is not None:
+            self.sharing.forget(req_id)
         if plan is None:
             return
         if reason is not None:
@@ -131,9 +145,10 @@ class CascadeDecode:
         stamp = (batch.key, int(batch.seq_lens.sum()))
         if self._meta is None or stamp[0] is not self._meta[0] or stamp[1] != self._meta[1]:
             self._meta, self._step = stamp, None
-            if self.plans and self.broken is None and not self.paused:
+            # paused: only readers whose blocks went back still need the path
+            if self.plans and self.broken is None and (not self.paused or self.num_pinned):
                 try:
-                    self._step = self._build(batch, layer, query.dtype)
+                    self._step = self._build(batch, layer, query.dtype, only_pinned=self.paused)
                 except Exception as exc:
                     self._break(exc)
         step = self._step
@@ -158,6 +173,21 @@ class CascadeDecode:
             out[step.others[0]] = others
         return output
 
+    @property
+    def master_bytes(self) -> int:
+        """Bytes of the masters held for live readers (next to vLLM's KV budget)."""
+        return sum(m.k_t.nbytes + m.v.nbytes for m in self.masters.values())
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self.sharing.pinned) if self.sharing is not None else 0
+
+    def unreadable_step(self) -> None:
+        """A step whose metadata the path cannot read runs on vLLM's kernel: refused while a
+        reader's blocks are given back (that kernel would read blocks others now hold)."""
+        if self.num_pinned:
+            raise RuntimeError(_PINNED.format("its attention metadata is not plain causal"))
+
     def _run_kernel(self, index: int, step: Step, layer: AttnLayer, query: torch.Tensor,
                     key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
         assert self.kernel is not None
@@ -170,6 +200,7 @@ class CascadeDecode:
                             attn_scale(layer))  # fmt: skip
 
     def _break(self, exc: Exception) -> None:
+        pinned = self.num_pinned
         self.broken = f"{type(exc).__name__}: {exc}"
         log.warning(
             "kmesh: cascade decode failed, vLLM's forward serves from now on: %s\n%s",
@@ -178,20 +209,25 @@ class CascadeDecode:
         )
         for req_id in list(self.plans):
             self.drop(req_id, f"cascade decode failed: {self.broken}")
+        if pinned:  # vLLM's kernel would read blocks other requests now hold
+            raise RuntimeError(_PINNED.format(f"cascade decode failed: {self.broken}")) from exc
 
     # --- per-step plan --------------------------------------------------------------------------
 
-    def _build(self, batch: StepBatch, layer: AttnLayer, dtype: torch.dtype) -> Step | None:
+    def _build(self, batch: StepBatch, layer: AttnLayer, dtype: torch.dtype,
+               only_pinned: bool = False) -> Step | None:  # fmt: skip
         num_reqs = int(batch.seq_lens.numel())
         ids = self.req_ids(num_reqs)
         if ids is None or len(ids) < num_reqs:
+            if self.num_pinned:
+                raise RuntimeError(_PINNED.format("the batch's request ids are unknown"))
             return None
         starts = batch.query_start_loc.tolist()
         seq_lens = batch.seq_lens.tolist()
         chosen: list[tuple[int, DecodePlan]] = []
         for i, req_id in enumerate(ids[:num_reqs]):
             plan = self.plans.get(req_id)
-            if plan is None:
+            if plan is None or (only_pinned and not plan.pinned):
                 continue
             if not plan.holds(batch.block_table[i]):
                 self.drop(req_id, _PREEMPTED.format("its blocks changed"))
@@ -212,13 +248,11 @@ class CascadeDecode:
                             use.master, self.caches[0].dtype, tiled=self.kernel is not None
                         )
                     self.masters[use.key].users += 1
-            if len(chosen) < self.limit:
-                chosen.append((i, plan))
-            else:  # it decodes on vLLM's kernel this step
-                self.reports.setdefault(req_id, {})["cascade_off"] = (
-                    f"more than {self.limit} requests decoding in cascade at once (the CPU "
-                    "kernel's limit for this model's heads): some steps ran on vLLM's kernel"
-                )
+                if self.sharing is not None:
+                    field, value = self.sharing.consider(plan, self.layout.block_size,
+                                                         self.layout, self.caches)  # fmt: skip
+                    self.reports.setdefault(req_id, {})[field] = value
+            chosen.append((i, plan))
         if not chosen:
             return None
         for _, plan in chosen:

@@ -48,7 +48,12 @@ from kmesh_blend.vllm.prefix_cache import Privatizer
 from kmesh_blend.vllm.prom import KMeshPromMetrics, KMeshStats
 from kmesh_blend.vllm.scheduler_side import SchedulerSide
 from kmesh_blend.vllm.seam import log_report
-from kmesh_blend.vllm.seam.blocks import check_prefix_caching, hash_block_size, step_requests
+from kmesh_blend.vllm.seam.blocks import (
+    check_prefix_caching,
+    hash_block_size,
+    release_blocks,
+    step_requests,
+)
 from kmesh_blend.vllm.seam.engine import attention_layers, recompute_failed_loads, tp_shard
 from kmesh_blend.vllm.seam.runners import batch_order, loaded_model
 from kmesh_blend.vllm.stats import Payload
@@ -58,7 +63,7 @@ if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -81,6 +86,7 @@ class KMeshConnector(KVConnectorBase_V1):
             log.info("kmesh: kv_load_failure_policy set to 'recompute' (failed reuse recomputes)")
         model_config = vllm_config.model_config
         self.scheduler: SchedulerSide | None = None
+        self.kv_manager: KVCacheManager | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(
@@ -90,6 +96,7 @@ class KMeshConnector(KVConnectorBase_V1):
                 contains=_shared_store_lookup(self.config, vllm_config),
                 privatizer=_privatizer(vllm_config, kv_cache_config),
                 engine=str(self._kv_transfer_config.engine_id),
+                release=self._release if self.config.share_kv_memory else None,
             )
         else:
             self.worker = WorkerSide(
@@ -134,6 +141,14 @@ class KMeshConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict | None]:  # fmt: skip
         assert self.scheduler is not None
         return False, self.scheduler.finished(request.request_id)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.kv_manager = kv_cache_manager  # where released readers' blocks go back
+
+    def _release(self, request: Request, blocks: list[tuple[int, int]]) -> int:
+        manager = self.kv_manager  # bound by vLLM's scheduler before its first step
+        return 0 if manager is None else release_blocks(manager, request, blocks)
 
     # --- worker side ----------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import torch
 from kmesh_blend.cpu.layout import pair_values, tile_keys
 from kmesh_blend.models.rope import RotaryEmbedding
 from kmesh_blend.segments.master import Master
+from kmesh_blend.vllm.kv_release import Release
 from kmesh_blend.vllm.paged import PagedLayout
 
 __all__ = ["DecodePlan", "MasterUse", "SharedMaster"]
@@ -73,11 +74,13 @@ class DecodePlan:
     block_ids: list[int]
     slots: torch.Tensor
     uses: list[MasterUse]
+    first: int = 0  # the first prompt token the blend wrote (earlier ones: vLLM's prefix cache)
     armed: bool = False
     steps: int = 0
     shared_rows: int = 0  # prompt rows read from masters, averaged over layers
     shared: list[torch.Tensor] = field(default_factory=list)
     own_slots: list[torch.Tensor] = field(default_factory=list)
+    release: Release | None = None  # its segment blocks went back to vLLM's pool: cascade only
 
     def __post_init__(self) -> None:
         self.blocks = torch.tensor(self.block_ids, dtype=torch.int64)
@@ -87,6 +90,26 @@ class DecodePlan:
         """Whether a batch's block-table row [max_blocks] starts with this request's blocks."""
         n = self.blocks.numel()
         return block_row.numel() >= n and torch.equal(block_row[:n].to(torch.int64), self.blocks)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether only the cascade path may serve it (some of its blocks were given back)."""
+        return self.release is not None
+
+    def num_own(self, layer: int) -> int:
+        """Its own prompt rows in layer ``layer`` (armed)."""
+        if self.release is not None:
+            return self.release.mirror.num_rows(layer)
+        return int(self.own_slots[layer].numel())
+
+    def own_rows(self, layer: int, layout: PagedLayout,
+                 cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Its own prompt rows of layer ``layer``: K, V [num_own, Hkv, D] in the cache dtype, read
+        from its blocks (and its mirror, once blocks went: a released block is never read)."""
+        if self.release is not None:
+            return self.release.mirror.read(layer, layout, cache)
+        k, v = layout.read(cache, self.own_slots[layer].to(cache.device))
+        return k.cpu(), v.cpu()
 
     def arm(
         self, layout: PagedLayout, caches: list[torch.Tensor], rope: RotaryEmbedding

@@ -56,6 +56,9 @@ class Report(TypedDict, total=False):
     cascade_shared_rows: int
     cascade_kernel: str
     cascade_off: str | None
+    released_blocks: int
+    mirror_bytes: int
+    kv_share_off: str
     preemptions: int
     family: str
     engine: str
@@ -144,6 +147,8 @@ class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
     retired: dict[str, int] = field(default_factory=dict)  # deleted by their lifetime → round
     closed_upto: int = 0  # the highest family-close number applied
     rounds: dict[str, int] = field(default_factory=dict)  # scope → round now applied
+    # readers whose segment blocks may go back to vLLM's pool: req_id → [(index, block id)]
+    releases: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KMeshWorkerMetadata):
@@ -157,6 +162,7 @@ class KMeshWorkerMetadata(KVConnectorWorkerMetadata):
             self.store_errors.update(other.store_errors)
             self.retired.update(other.retired)
             self.closed_upto = max(self.closed_upto, other.closed_upto)
+            self.releases.update(other.releases)
             for scope, round_ in other.rounds.items():
                 self.rounds[scope] = max(round_, self.rounds.get(scope, round_))
         return self

@@ -67,6 +67,7 @@ def count(reports: list[Report]) -> dict[str, int]:
         add("recomputed_tokens", report.get("recomputed_tokens"))
         add("storage_reads", report.get("storage_reads"))
         add("prefix_cached_tokens", report.get("prefix_cached_tokens"))
+        add("released_blocks", report.get("released_blocks"))
         why = report.get("fallback")
         if why:
             add("requests|fallback", 1)

@@ -34,6 +34,8 @@ class Plan:
     options: tuple[float | None, int | None, str | None] = (None, None, None)
     report: Report = field(default_factory=new_report)
     before: Report | None = None  # its report when it was preempted (`reports.resumed`)
+    request: object = None  # vLLM's request object (blocks given back need it)
+    released: int = 0  # its blocks given back to vLLM's pool, while it lives
 
     def load_request(self, req_id: str) -> LoadRequest:
         """What the worker blends and writes for this plan (before the step's forward)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kmesh_blend.config import KMeshConfig
 from kmesh_blend.segments.annotation import Annotation, parse_request
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
     from kmesh_blend.vllm.seam.blocks import StepRequest
 
+Release = Callable[["Request", list[tuple[int, int]]], int]
+
 __all__ = ["SchedulerSide"]
 
 # Registry bounds (kmesh_blend/vllm/registry.py): ids are 64 hex chars, so ≈10 MiB at most.
@@ -58,11 +60,15 @@ class SchedulerSide:
         contains: Callable[[SegmentId], bool] | None = None,
         privatizer: Privatizer | None = None,
         engine: str = "",
+        release: Release | None = None,
     ) -> None:
+        """``release(request, [(index, block id)])`` gives a running request's blocks back to
+        vLLM's pool and says how many went (`seam.blocks.release_blocks`); None: never."""
         self.config, self.namespace, self.max_model_len = config, namespace, max_model_len
         self.engine = engine  # the kv_transfer_config's engine_id: each report names it
         # With vLLM's prefix caching on: makes blended blocks' hashes private (prefix_cache.py).
         self.privatizer = privatizer
+        self.release = release
         self.segments = SegmentRegistry(contains, _MAX_PUBLISHED)
         # Set from the worker's first output when the blend cannot run on the loaded model:
         # then every annotated request is served stock, its report naming this reason.
@@ -94,7 +100,7 @@ class SchedulerSide:
         matched = self._num_matched(request, num_computed_tokens)
         plan = self.plans.get(request.request_id)
         if plan is not None:
-            plan.asked, plan.matched = num_computed_tokens, matched
+            plan.asked, plan.matched, plan.request = num_computed_tokens, matched, request
         return matched
 
     def _num_matched(self, request: Request, num_computed_tokens: int) -> int:
@@ -235,6 +241,12 @@ class SchedulerSide:
         self._closing = [(n, f) for n, f in self._closing if n > worker_meta.closed_upto]
         self.rounds.applied(worker_meta.rounds)
         self.turns.stored(worker_meta.turns)
+        for req_id, blocks in worker_meta.releases.items():
+            plan = self.plans.get(req_id)
+            if plan is not None and plan.request is not None and self.release is not None:
+                gone = self.release(cast("Request", plan.request), blocks)
+                plan.released += gone
+                plan.report["released_blocks"] = plan.report.get("released_blocks", 0) + gone
         published = self.segments.published
         for req_id, report in worker_meta.reports.items():
             plan = self.plans.get(req_id)
@@ -280,6 +292,7 @@ class SchedulerSide:
             "turn_records": len(self.turns.records),
             "pending_keeps": self.turns.num_pending,
             "plans": len(self.plans),
+            "released_blocks_live": sum(plan.released for plan in self.plans.values()),
         }
         if not counters and gauges == self._gauges:
             return None

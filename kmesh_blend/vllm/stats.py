@@ -37,6 +37,7 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "recomputed_tokens": ("Reused tokens recomputed by selective recomputation", None),
     "storage_reads": ("Reads from the store's backing tier, per request report", None),
     "prefix_cached_tokens": ("Leading tokens of annotated requests from vLLM's prefix cache", None),
+    "released_blocks": ("KV blocks readers gave back to vLLM's pool (kmesh.share_kv_memory)", None),
     "fallbacks": ("Annotated requests run without reuse, by reason", "reason"),
     "store_reads": ("Reads from the backing tier, by store kind", "tier"),
     "retention_hits": ("Master fetches served from host-RAM retention", None),
@@ -52,6 +53,10 @@ GAUGES: dict[str, str] = {
     "retained_bytes": "Bytes of masters retained in host RAM",
     "indexed_segments": "Segments in the worker's round-aware index",
     "store_up": "1 while the worker's store answers, 0 while it is marked down",
+    "shared_master_bytes": "Bytes of masters cascade decode holds for its readers, next to "
+    "vLLM's KV budget (host RAM)",
+    "mirror_bytes": "Bytes of released readers' own rows (mirrors) held beside the masters",
+    "released_blocks_live": "KV blocks live readers have given back to vLLM's pool",
 }
 
 # name → (help text, label names)

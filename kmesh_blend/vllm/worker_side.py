@@ -76,6 +76,7 @@ class WorkerSide:
                  layers: dict[str, AttnLayer], shard: tuple[int, int] = (0, 1),
                  batch_ids: BatchOrder | None = None) -> None:  # fmt: skip
         self.config, self.block_size, self.batch_ids = config, block_size, batch_ids
+        self.world_size = shard[1]
         self.hooks = WorkerHooks()
         self.cascade: CascadeDecode | None = None
         self.cascade_off: str | None = "the paged KV layout is unknown"  # reported when it is on
@@ -94,7 +95,7 @@ class WorkerSide:
             retention_bytes=config.retention_bytes, timeout_s=config.singleflight_timeout_s,
         )  # fmt: skip
         self.lifetimes = Lifetimes(self.cache)
-        self.stats = WorkerStats(self.cache, self.store)
+        self.stats = WorkerStats(self.cache, self.store, self._held)
         self.mirrors = MirrorStore(self.cache, compress=config.compress_mirrors)
         self.options = BlendOptions.from_config(config)
         self.attn_layers = layers
@@ -133,6 +134,8 @@ class WorkerSide:
             heads = Heads(shape.num_heads, shape.num_kv_heads, shape.head_dim)
             kv = EngineKV(layers, self.kv_caches, self.paged, self.rope, heads)
             self.cascade, self.cascade_off = install_cascade(kv, self.batch_ids)
+            if self.cascade is not None and self.config.share_kv_memory:
+                self.cascade.share(self.world_size)
 
     @torch.no_grad()
     def load(self, meta: KMeshMetadata) -> None:
@@ -194,12 +197,22 @@ class WorkerSide:
         if self.cascade is not None:
             for req_id, fields in self.cascade.take_reports().items():
                 out.reports.setdefault(req_id, {}).update(fields)  # type: ignore[typeddict-item]
-        return out if (out.reports or out.published or out.disabled or out.lost
+            if self.cascade.sharing is not None:
+                out.releases = self.cascade.sharing.take()
+        return out if (out.reports or out.releases or out.published or out.disabled or out.lost
                        or out.unpublished or out.retired or out.closed_upto
                        or out.rounds) else None  # fmt: skip
 
     def take_stats(self) -> Payload | None:
         return self.stats.take()
+
+    def _held(self) -> dict[str, int]:
+        """KV held next to vLLM's budget by the cascade path (gauges, bytes)."""
+        if self.cascade is None:
+            return {}
+        return {"shared_master_bytes": self.cascade.master_bytes,
+                "mirror_bytes": self.cascade.sharing.mirror_bytes
+                if self.cascade.sharing is not None else 0}  # fmt: skip
 
     def close(self) -> None:
         self.tails.close()
@@ -252,7 +265,7 @@ class WorkerSide:
             return
         uses = [MasterUse(r.segment_id, r.start, r.end, masters[r.segment_id])
                 for r in load.segments if r.segment_id in masters]  # fmt: skip
-        self.cascade.add(load.req_id, load.block_ids, load.slots(self.block_size), uses)
+        self.cascade.add(load.req_id, load.block_ids, load.slots(self.block_size), uses, load.first)
 
     def _write(self, slots: torch.Tensor, result: BlendResult, first: int) -> None:
         """Rows first.. of the blend's KV at ``slots`` (vLLM computes the last tokens itself)."""

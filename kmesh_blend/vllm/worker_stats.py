@@ -4,6 +4,8 @@ what the seam found and changed in vLLM (`kmesh_blend.vllm.seam.REPORT`), as the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kmesh_blend.segments.cache import SegmentCache
 from kmesh_blend.segments.store import LMCacheMasterStore
 from kmesh_blend.vllm.seam import REPORT
@@ -13,8 +15,10 @@ __all__ = ["WorkerStats"]
 
 
 class WorkerStats:
-    def __init__(self, cache: SegmentCache, store: LMCacheMasterStore) -> None:
-        self.cache, self.store = cache, store
+    def __init__(self, cache: SegmentCache, store: LMCacheMasterStore,
+                 held: Callable[[], dict[str, int]] | None = None) -> None:  # fmt: skip
+        """``held()``: gauges of KV the cascade path holds next to vLLM's budget (or None)."""
+        self.cache, self.store, self.held = cache, store, held
         self._seen: dict[str, int] = {}  # counters at the last `take`
         self._gauges: dict[str, int] = {}
         self._info_sent = False
@@ -36,6 +40,7 @@ class WorkerStats:
             "retained_bytes": int(metrics["retained_bytes"]),
             "indexed_segments": len(self.cache.index),
             "store_up": int(health.up),
+            **(self.held() if self.held is not None else {}),
         }
         payload: Payload = {"counters": counters, "gauges": gauges}
         if not self._info_sent:

@@ -35,7 +35,7 @@ PUBLIC: dict[str, set[str]] = {
     },
     "vllm.forward_context": {"ForwardContext"},
     "vllm.v1.attention.backend": {"AttentionMetadata"},
-    "vllm.v1.core.kv_cache_manager": {"KVCacheBlocks"},
+    "vllm.v1.core.kv_cache_manager": {"KVCacheBlocks", "KVCacheManager"},
     "vllm.v1.core.sched.output": {"SchedulerOutput"},
     "vllm.v1.kv_cache_interface": {"KVCacheConfig"},
     "vllm.v1.outputs": {"KVConnectorOutput"},
@@ -60,6 +60,7 @@ SEAM: dict[str, set[str]] = {
     "vllm.v1.attention.backends.cpu_attn": {"CPUAttentionBackendImpl", "CPUAttentionMetadata"},
     "vllm.v1.core.kv_cache_manager": {"KVCacheManager"},
     "vllm.v1.core.kv_cache_utils": {"BlockHash", "get_request_block_hasher", "init_none_hash"},
+    "vllm.v1.request": {"RequestStatus"},
 }
 SEAM_STRINGS = {  # vLLM modules the seam names as strings (runner classes it wraps, state)
     "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.cpu_model_runner",
@@ -74,6 +75,7 @@ INTERNAL_ATTRS = {
     "static_forward_context", "kv_load_failure_policy", "input_batch", "scheduled_new_reqs",
     "scheduled_cached_reqs", "resumed_req_ids", "new_block_ids", "load_model", "isa",
     "register_forward_hook", "get_forward_context", "scheduler_metadata", "_kmesh_route",
+    "req_to_blocks", "single_type_managers", "null_block", "evict_blocks", "free_blocks",
 }  # fmt: skip
 _MODULE_NAME = re.compile(r"^vllm(\.\w+)+$")
 

@@ -5,7 +5,10 @@
 - `check_prefix_caching`: proves on a scratch ``KVCacheManager`` that rewritten hashes keep
   blocks out of other requests' prefix hits;
 - `step_requests`: the requests of a ``SchedulerOutput`` with their block ids (one KV cache
-  group), new ones, continuing ones and ones resumed after a preemption alike.
+  group), new ones, continuing ones and ones resumed after a preemption alike;
+- `release_blocks`: gives a running request's blocks back to vLLM's pool in the middle of its
+  block list (``kmesh.share_kv_memory``), the way vLLM frees a sliding window's blocks: each
+  entry becomes vLLM's null block, its prefix-cache hash is dropped, the block is freed.
 """
 
 from __future__ import annotations
@@ -18,12 +21,19 @@ from kmesh_blend.vllm.seam import REPORT
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import BlockHash
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["StepRequest", "check_prefix_caching", "rewrite_hashes", "step_requests"]
+__all__ = [
+    "StepRequest",
+    "check_prefix_caching",
+    "release_blocks",
+    "rewrite_hashes",
+    "step_requests",
+]
 
 Mix = Callable[[bytes], bytes]  # a block hash → its replacement
 
@@ -62,6 +72,35 @@ def step_requests(out: SchedulerOutput) -> list[StepRequest]:
         got.append(StepRequest(req_id, back, ids, cached.num_computed_tokens[i],
                                scheduled.get(req_id, 0)))  # fmt: skip
     return got
+
+
+def release_blocks(manager: KVCacheManager, request: Request,
+                   blocks: list[tuple[int, int]]) -> int:  # fmt: skip
+    """Give back entries (index into the request's block list, block id) of a running request;
+    returns how many went. An entry stays when the request is not running, the id at that index
+    is another (a preemption came first), or another request holds the block too (a prefix-cache
+    hit it shares: freeing it saves nothing)."""
+    from vllm.v1.request import RequestStatus
+
+    groups = manager.coordinator.single_type_managers
+    if request.status != RequestStatus.RUNNING or len(groups) != 1:
+        return 0
+    own = groups[0].req_to_blocks.get(request.request_id)
+    if own is None:
+        return 0
+    pool = manager.block_pool
+    freed = []
+    for index, block_id in blocks:
+        block = own[index] if index < len(own) else None
+        if block is None or block.is_null or block.block_id != block_id or block.ref_cnt != 1:
+            continue
+        own[index] = pool.null_block
+        freed.append(block)
+    if freed:
+        # never served by prefix caching (its rows belong to no prefix now)
+        pool.evict_blocks({block.block_id for block in freed})
+        pool.free_blocks(freed)
+    return len(freed)
 
 
 def rewrite_hashes(request: Request, start: int, stop: int, mix: Mix) -> int:

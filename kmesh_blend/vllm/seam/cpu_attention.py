@@ -75,6 +75,9 @@ class Router(Protocol):
                 key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, batch: StepBatch,
                 output: torch.Tensor) -> torch.Tensor: ...  # fmt: skip
 
+    def unreadable_step(self) -> None:
+        """Called before a step the router cannot read runs on vLLM's kernel (may raise)."""
+
 
 def kernel_available() -> bool:
     try:
@@ -244,7 +247,10 @@ def _routed(base: type) -> type:
 
         target = getattr(self, "_kmesh_route", None)
         batch = step_batch(attn_metadata) if output_scale is None else None
-        if target is None or batch is None:
+        if target is None:
+            return stock()
+        if batch is None:
+            target[0].unreadable_step()  # raises while vLLM's kernel must not serve
             return stock()
         router, index = target
         return cast(torch.Tensor, router.forward(index, stock, layer, query, key, value,
