@@ -8,7 +8,8 @@
 - `attention_layers`, `in_model_order`: the attention layers by name (the static forward
   context), their names in model order;
 - `swapped_forwards`: modules' ``forward`` replaced for the duration of a start-up check;
-- `installed_version`, `drop_leaked_connector`, `worker_connector` (in-process engines).
+- `installed_version`, `drop_leaked_connector`, `worker_connector`, `pool_state` (in-process
+  engines).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "all_reduce", "attention_layers", "drop_leaked_connector", "hook_model_output",
-    "in_model_order", "installed_version", "recompute_failed_loads", "step_slots",
+    "in_model_order", "installed_version", "pool_state", "recompute_failed_loads", "step_slots",
     "swapped_forwards", "tp_shard", "tp_world_size", "worker_connector",
 ]  # fmt: skip
 
@@ -162,3 +163,24 @@ def worker_connector() -> object | None:
     )
 
     return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+class PoolState(NamedTuple):
+    """An in-process engine's scheduler between steps: requests running and waiting, KV blocks
+    free and in all, and each live request's preemptions so far."""
+
+    running: int
+    waiting: int
+    free_blocks: int
+    num_blocks: int
+    preemptions: dict[str, int]
+
+
+def pool_state(llm: Any) -> PoolState:
+    """``llm``: a ``vllm.LLM`` whose engine core runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    preempted = {rid: int(r.num_preemptions) for rid, r in scheduler.requests.items()}
+    return PoolState(len(scheduler.running), len(scheduler.waiting), pool.get_num_free_blocks(),
+                     pool.num_gpu_blocks, preempted)  # fmt: skip
