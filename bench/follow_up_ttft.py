@@ -177,8 +177,6 @@ def smollm2_prompts(doc_len: int, count: int) -> tuple[Path, list[Prompt], dict[
     """
     from transformers import AutoTokenizer
 
-    if count > len(SYSTEM_PROMPTS):
-        raise ValueError(f"at most {len(SYSTEM_PROMPTS)} distinct follow-ups, asked for {count}")
     path = smollm2_checkpoint()
     tok = AutoTokenizer.from_pretrained(path)
 
@@ -196,7 +194,7 @@ def smollm2_prompts(doc_len: int, count: int) -> tuple[Path, list[Prompt], dict[
     prompts: list[Prompt] = []
     for i in range(count):
         messages = [
-            {"role": "system", "content": SYSTEM_PROMPTS[i]},
+            {"role": "system", "content": _system_prompt(i)},
             {
                 "role": "user",
                 "content": f"{PREAMBLES[i % len(PREAMBLES)]}\n\n{placeholder}\n\n"
@@ -220,6 +218,12 @@ def smollm2_prompts(doc_len: int, count: int) -> tuple[Path, list[Prompt], dict[
         "tokens_after_document": [len(ids) - spans[0][1] for ids, spans in prompts],
     }
     return path, prompts, details
+
+
+def _system_prompt(i: int) -> str:
+    """Follow-up i's system prompt: past the list's end, one of them with the agent's number."""
+    n = len(SYSTEM_PROMPTS)
+    return SYSTEM_PROMPTS[i] if i < n else f"{SYSTEM_PROMPTS[i % n]} You are agent {i}."
 
 
 def smollm2_workload(doc_len: int, rounds: int) -> Workload:
