@@ -23,7 +23,7 @@ reports 2.7× over vLLM with prefix caching).
 config.engines[e]: most_running, preemptions, steps, wall_s, bytes per agent at the peak —
 ``paged`` (vLLM blocks in use / agents running) and ``beside`` (masters + mirrors held next to
 the budget / agents running), and the median decode step time divided by the agents running in
-it (steps where nothing waits and the running set did not change).
+it (steps that only decoded: every running agent got a token, none its first).
 config.bytes_model (per agent at steady decode, from the reports): stock = its blocks × block
 bytes; sharing = kept blocks + its mirror + D's master / 8 (its family's share).
 config.step_per_agent_ratio = sharing / stock of that per-agent decode step time.
@@ -78,7 +78,8 @@ def main() -> None:
     head_dim = hf.hidden_size // hf.num_attention_heads
     token_bytes = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 2  # K+V, bf16
     block_bytes = BLOCK * token_bytes
-    common = {"dtype": "bfloat16", "max_model_len": -(-longest // BLOCK) * BLOCK, "max_num_batched_tokens": 4096,
+    common = {"dtype": "bfloat16", "max_model_len": -(-longest // BLOCK) * BLOCK,
+              "max_num_batched_tokens": 4096,
               "max_num_seqs": 64, "block_size": BLOCK, "enable_prefix_caching": True,
               "num_gpu_blocks_override": blocks}  # fmt: skip
 
@@ -191,11 +192,12 @@ def summary(driven: Driven, beside: list[int], stamps: list[float], block_bytes:
     peak = max(range(len(trace)), key=lambda i: (trace[i].running, -i))
     state = trace[peak]
     in_use = state.num_blocks - 1 - state.free_blocks  # vLLM's null block is never free
-    per_agent = []
-    for i in range(1, len(trace)):
-        now, before = trace[i], trace[i - 1]
-        if now.waiting == 0 and before.waiting == 0 and now.running == before.running > 0:
-            per_agent.append((stamps[i + 1] - stamps[i]) / now.running)
+    per_agent, step_s, running = [], [], []
+    for i in range(len(trace)):
+        if driven.decode_only(i):
+            step_s.append(stamps[i + 1] - stamps[i])
+            running.append(trace[i].running)
+            per_agent.append(step_s[-1] / trace[i].running)
     return {
         "most_running": state.running,
         "preemptions": sum(driven.preemptions.values()),
@@ -204,6 +206,8 @@ def summary(driven: Driven, beside: list[int], stamps: list[float], block_bytes:
         "paged_bytes_per_agent_at_peak": round(in_use * block_bytes / max(1, state.running)),
         "beside_bytes_per_agent_at_peak": round(beside[peak] / max(1, state.running)),
         "step_s_per_agent": round(statistics.median(per_agent), 5) if per_agent else None,
+        "decode_step_s": round(statistics.median(step_s), 4) if step_s else None,
+        "decode_step_agents": statistics.median(running) if running else None,
         "finished": len(driven.outputs),
     }
 

@@ -26,6 +26,14 @@ class Driven:
     trace: list[PoolState] = field(default_factory=list)
     preemptions: dict[str, int] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
+    # per step: (requests that got a token, of them their first)
+    emitted: list[tuple[int, int]] = field(default_factory=list)
+
+    def decode_only(self, step: int) -> bool:
+        """Whether step ``step`` only decoded: every running request got a token, none its
+        first (no prefill in it)."""
+        got, first = self.emitted[step]
+        return first == 0 and got == self.trace[step].running > 0
 
     @property
     def most_running(self) -> int:
@@ -55,9 +63,13 @@ def drive(llm: Any, requests: list[Request],
     for step in range(max_steps):
         if not engine.has_unfinished_requests():
             return out
+        got = first = 0
         for o in engine.step():
+            got += 1
+            first += len(o.outputs[0].token_ids) == 1 if o.outputs else 0
             if o.finished:
                 out.outputs[o.request_id] = o
+        out.emitted.append((got, first))
         state = pool_state(llm)
         out.trace.append(state)
         for req_id, n in state.preemptions.items():

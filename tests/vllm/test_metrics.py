@@ -40,15 +40,18 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 
 def start_openai_server(
-    model: str, port: int, config: dict[str, Any], log_path: Path
+    model: str, port: int, config: dict[str, Any] | None, log_path: Path, *extra: str
 ) -> subprocess.Popen[bytes]:
-    """vLLM's OpenAI-compatible server on tiny settings with ``--kv-transfer-config config``,
-    its output in ``log_path``; the caller waits for it (`_wait_healthy`) and stops it."""
+    """vLLM's OpenAI-compatible server on tiny settings with ``--kv-transfer-config config``
+    (None: stock vLLM) and ``extra`` arguments, its output in ``log_path``; the caller waits for
+    it (`_wait_healthy`) and stops it."""
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-        "--enforce-eager", "--kv-transfer-config", json.dumps(config),
+        "--enforce-eager", *extra,
     ]  # fmt: skip
+    if config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(config)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     # An in-process engine of an earlier test may have set vLLM's Prometheus multiprocess
     # directory in this process: a server inheriting it would add up earlier servers' counters.
