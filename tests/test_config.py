@@ -61,6 +61,7 @@ def test_round_trip() -> None:
         "kmesh.store_timeout_s": 0.5,
         "kmesh.compress_mirrors": False,
         "kmesh.cascade_decode": False,
+        "kmesh.share_kv_memory": False,
     }
     back = KMeshConfig.from_extra_config(extra)
     assert back == cfg
@@ -131,6 +132,7 @@ VALID = {
     "kmesh.separator": "a list of token ids",
     "kmesh.compress_mirrors": "true or false",
     "kmesh.cascade_decode": "true or false",
+    "kmesh.share_kv_memory": "true or false",
 }
 R, L, SEL, SCH, ST = (
     "kmesh.recompute_ratio",
@@ -191,6 +193,8 @@ R, L, SEL, SCH, ST = (
         ("kmesh.compress_mirrors", 1),
         ("kmesh.cascade_decode", "on"),
         ("kmesh.cascade_decode", 0),
+        ("kmesh.share_kv_memory", "yes"),
+        ("kmesh.share_kv_memory", 1),
     ],
     ids=repr,
 )
@@ -259,3 +263,11 @@ def test_frozen() -> None:
         cfg.store = "disk:///x"  # type: ignore[misc]
     assert cfg.recompute_ratio == 0.15
     assert cfg.store_spec.kind == "cpu"
+
+
+def test_sharing_kv_memory_needs_cascade_decode() -> None:
+    with pytest.raises(ConfigError) as info:
+        KMeshConfig.from_extra_config({"kmesh.share_kv_memory": True})
+    assert info.value.key == "kmesh.share_kv_memory" and "kmesh.cascade_decode" in str(info.value)
+    both = {"kmesh.share_kv_memory": True, "kmesh.cascade_decode": True}
+    assert KMeshConfig.from_extra_config(both).share_kv_memory is True

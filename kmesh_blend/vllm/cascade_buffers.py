@@ -75,14 +75,24 @@ def compose(
 ) -> Composition:
     """The buffers of the plans ``chosen`` (batch row, plan) decoding together, each with
     ``generated`` rows so far: ``last`` while the set is the same and each request has exactly
-    one row more (grown when full), else built from the paged cache. ``tiled``: the CPU
-    kernel's layouts (`kmesh_blend.cpu.layout`), else fp32 copies for the torch path."""
+    one row more (grown when full), else new buffers — each request's own rows copied from
+    ``last`` where they are current there (it decoded in the last step), else read from the
+    paged cache (and its mirror). ``tiled``: the CPU kernel's layouts
+    (`kmesh_blend.cpu.layout`), else fp32 copies for the torch path."""
     key = tuple(plan.req_id for _, plan in chosen)
     if last is not None and last.key == key and last.filled == generated:
         return last if max(generated) < last.capacity else grown(last, HEADROOM)
     n, block_size = len(chosen), src.layout.block_size
     kv_heads, dim = kv_heads_dim
     capacity = max(generated) + HEADROOM
+    # requests whose rows `last` holds up to date: their index there
+    carried: dict[int, int] = {}
+    if last is not None:
+        where = {req_id: r for r, req_id in enumerate(last.key)}
+        for r, (_, plan) in enumerate(chosen):
+            old = where.get(plan.req_id)
+            if old is not None and last.filled[old] == generated[r]:
+                carried[r] = old
     # One master level per (master, k-th use of it in a request): a prompt that reads one
     # document twice attends to both copies, each at its own offset (one Δ per level).
     readers: dict[tuple[str, int], list[tuple[int, MasterUse, torch.Tensor]]] = {}
@@ -106,10 +116,15 @@ def compose(
             width += -width % 16
         # the torch path computes on fp32 copies, as its masters (`SharedMaster`)
         own_dtype = cache.dtype if tiled else torch.float32
-        k_t = torch.zeros(n, kv_heads, dim, width, dtype=own_dtype)
-        v = torch.zeros(n, kv_heads, width, dim, dtype=own_dtype)
+        own = _empty_rows(n, kv_heads, dim, width, own_dtype, tiled)
         parts = [torch.full((n, width), MASKED)]
         for r, (i, plan) in enumerate(chosen):
+            n_rows = prompt[r] + generated[r]
+            parts[0][r, :n_rows] = 0.0
+            if r in carried:
+                assert last is not None
+                _copy_rows(last.layers[layer].own, carried[r], own, r, n_rows, tiled)
+                continue
             # its prompt rows, then its generated rows (in blocks after its prompt: never given
             # back)
             pos = torch.arange(plan.num_tokens, plan.num_tokens + generated[r])
@@ -117,19 +132,22 @@ def compose(
             slots = blocks * block_size + pos % block_size
             gk, gv = src.layout.read(cache, slots.to(cache.device))
             pk, pv = plan.own_rows(layer, src.layout, cache)
-            rk, rv = torch.cat((pk, gk.cpu())), torch.cat((pv, gv.cpu()))
-            n_rows = rk.shape[0]
-            k_t[r, :, :, :n_rows] = rk.to(own_dtype).permute(1, 2, 0)
-            v[r, :, :n_rows] = rv.to(own_dtype).transpose(0, 1)
-            parts[0][r, :n_rows] = 0.0
+            rk = torch.cat((pk, gk.cpu())).to(own_dtype).permute(1, 2, 0)  # [Hkv, D, n_rows]
+            rv = torch.cat((pv, gv.cpu())).to(own_dtype).transpose(0, 1)  # [Hkv, n_rows, D]
+            if tiled:
+                tiles, pairs = tile_keys(rk), pair_values(rv)
+                own.k_t[r, :, : tiles.shape[1]] = tiles
+                own.v[r, :, : pairs.shape[1]] = pairs
+            else:
+                own.k_t[r, :, :, :n_rows] = rk
+                own.v[r, :, :n_rows] = rv
         for master, _, group in masters:
             reads = torch.full((n, master.size), MASKED)
             for r, _, rows in group:
                 reads[r] = torch.where(rows[layer], 0.0, MASKED)
             parts.append(reads)
         first_free = torch.tensor(prompt, dtype=torch.int64)
-        rows_of = OwnRows(tile_keys(k_t), pair_values(v)) if tiled else OwnRows(k_t, v)
-        layers.append(Layer(rows_of, first_free, torch.cat(parts, dim=1)))
+        layers.append(Layer(own, first_free, torch.cat(parts, dim=1)))
     rotations = []
     if tiled:  # q · R = the query rotated by −Δ (RoPE is linear in q)
         basis = torch.eye(dim).expand(n, -1, -1).contiguous()
@@ -142,6 +160,28 @@ def compose(
         list(generated),
         capacity,
     )
+
+
+def _empty_rows(n: int, kv_heads: int, dim: int, width: int, dtype: torch.dtype,
+                tiled: bool) -> OwnRows:  # fmt: skip
+    """Zeroed own rows for n requests of ``width`` columns, in the layout of `Layer.own`."""
+    if tiled:
+        return OwnRows(torch.zeros(n, kv_heads, width // 16, dim // 2, 16, 2, dtype=dtype),
+                       torch.zeros(n, kv_heads, width // 2, dim, 2, dtype=dtype))  # fmt: skip
+    return OwnRows(torch.zeros(n, kv_heads, dim, width, dtype=dtype),
+                   torch.zeros(n, kv_heads, width, dim, dtype=dtype))  # fmt: skip
+
+
+def _copy_rows(src: OwnRows, old: int, dst: OwnRows, r: int, n_rows: int, tiled: bool) -> None:
+    """Request ``old``'s first ``n_rows`` own rows of ``src`` into request ``r`` of ``dst``
+    (whole tiles / pairs: what lies past ``n_rows`` in them is masked)."""
+    if tiled:
+        tiles, pairs = -(-n_rows // 16), -(-n_rows // 2)
+        dst.k_t[r, :, :tiles] = src.k_t[old, :, :tiles]
+        dst.v[r, :, :pairs] = src.v[old, :, :pairs]
+    else:
+        dst.k_t[r, ..., :n_rows] = src.k_t[old, ..., :n_rows]
+        dst.v[r, :, :n_rows] = src.v[old, :, :n_rows]
 
 
 def grown(old: Composition, extra: int) -> Composition:

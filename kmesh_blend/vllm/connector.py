@@ -49,8 +49,10 @@ from kmesh_blend.vllm.prom import KMeshPromMetrics, KMeshStats
 from kmesh_blend.vllm.scheduler_side import SchedulerSide
 from kmesh_blend.vllm.seam import log_report
 from kmesh_blend.vllm.seam.blocks import (
+    block_bytes,
     check_prefix_caching,
     hash_block_size,
+    held_blocks,
     release_blocks,
     step_requests,
 )
@@ -87,6 +89,7 @@ class KMeshConnector(KVConnectorBase_V1):
         model_config = vllm_config.model_config
         self.scheduler: SchedulerSide | None = None
         self.kv_manager: KVCacheManager | None = None
+        self.block_bytes = block_bytes(kv_cache_config)
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(
@@ -140,7 +143,10 @@ class KMeshConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict | None]:  # fmt: skip
         assert self.scheduler is not None
-        return False, self.scheduler.finished(request.request_id)
+        held = None
+        if self.config.share_kv_memory and self.kv_manager is not None:
+            held = held_blocks(self.kv_manager, block_ids) * self.block_bytes
+        return False, self.scheduler.finished(request.request_id, held)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)

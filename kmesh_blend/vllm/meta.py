@@ -59,6 +59,7 @@ class Report(TypedDict, total=False):
     released_blocks: int
     mirror_bytes: int
     kv_share_off: str
+    kv_held_bytes: int
     preemptions: int
     family: str
     engine: str

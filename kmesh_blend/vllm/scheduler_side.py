@@ -260,8 +260,9 @@ class SchedulerSide:
                 plan.saved = False
                 plan.saves = [r for r in plan.segments if r.segment_id not in published]
 
-    def finished(self, req_id: str) -> dict[str, Report] | None:
-        """The report for ``RequestOutput.kv_transfer_params``; None for unannotated requests."""
+    def finished(self, req_id: str, paged_bytes: int | None = None) -> dict[str, Report] | None:
+        """The report for ``RequestOutput.kv_transfer_params``; None for unannotated requests.
+        ``paged_bytes``: its blocks in vLLM's pool at its end, in bytes (with sharing on)."""
         if self.privatizer is not None:
             self.privatizer.forget(req_id)
         plan = self.plans.pop(req_id, None)
@@ -274,6 +275,8 @@ class SchedulerSide:
             self._closing.append((self._close_seq, plan.family))
         if self.disabled is not None and plan.report["fallback"] is None:
             plan.report["fallback"] = self.disabled  # it ran before the worker's word arrived
+        if paged_bytes is not None and plan.report.get("reused_tokens"):
+            plan.report["kv_held_bytes"] = paged_bytes + plan.report.get("mirror_bytes", 0)
         plan.report["engine"] = self.engine
         self._recent[req_id] = plan.report
         if plan.before is not None:

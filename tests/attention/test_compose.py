@@ -73,8 +73,8 @@ def _attend(plans, contexts, caches, layout, rope):  # type: ignore[no-untyped-d
     """(cascade, materialized) outputs [n, H, D] per layer, for one decode query per request
     at the position after its prompt."""
     gen = torch.Generator().manual_seed(1)
-    for plan in plans:
-        assert plan.arm(layout, caches, rope) is None
+    for plan in plans:  # (a plan armed by the caller keeps what it verified then)
+        assert plan.armed or plan.arm(layout, caches, rope) is None
     shared = {"m": SharedMaster.of(plans[0].uses[0].master, torch.float32)}
     width = max(len(p.block_ids) for p in plans)
     table = torch.zeros(len(plans), width, dtype=torch.int64)
@@ -133,3 +133,30 @@ def test_a_lost_copy_is_caught() -> None:
     levels = [MasterRows(m.k_t[0], m.v[0], rope.apply(q, back)) for m, back in comp.masters]
     got = decode_cascade(q, layer.own, levels, layer.bias, SCALE)
     assert float((got - out[0][0]).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_a_new_set_copies_continuing_requests_rows(tiled: bool) -> None:
+    """When the set of decoding requests changes, a request that decoded in the last set has its
+    rows copied from there: the buffers equal those read afresh from the paged cache."""
+    plans, _, caches, layout, rope = _case(LAYOUTS["beside_a_single_reader"] + [(30, [6])])
+    for plan in plans:
+        assert plan.arm(layout, caches, rope) is None
+    shared = {"m": SharedMaster.of(plans[0].uses[0].master, torch.float32, tiled=tiled)}
+    width = max(len(p.block_ids) for p in plans)
+    table = torch.zeros(len(plans), width, dtype=torch.int64)
+    for r, plan in enumerate(plans):
+        table[r, : len(plan.block_ids)] = plan.blocks
+    batch = SimpleNamespace(block_table=table)
+    src = Sources(shared, caches, layout, rope)
+    before = compose(batch, list(enumerate(plans[:2])), [0, 0], None, src, (KV_HEADS, DIM), tiled)
+    now = [(1, plans[1]), (2, plans[2])]
+    carried = compose(batch, now, [0, 0], before, src, (KV_HEADS, DIM), tiled)
+    fresh = compose(batch, now, [0, 0], None, src, (KV_HEADS, DIM), tiled)
+    for a, b in zip(carried.layers, fresh.layers, strict=True):
+        assert torch.equal(a.own.k_t, b.own.k_t) and torch.equal(a.own.v, b.own.v)
+        assert torch.equal(a.bias, b.bias) and torch.equal(a.first_free, b.first_free)
+    # the copy is what made them equal: request 1's rows in `before` changed show up
+    before.layers[0].own.v[1].add_(1.0)
+    changed = compose(batch, now, [0, 0], before, src, (KV_HEADS, DIM), tiled)
+    assert not torch.equal(changed.layers[0].own.v, fresh.layers[0].own.v)

@@ -101,6 +101,15 @@ def _logprobs(o: Any) -> list[float]:
     return [float(lp[t].logprob) for t, lp in steps]
 
 
+def _block_bytes(model: str) -> int:
+    """Bytes of one fp32 block over all layers (K and V)."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(MODELS[model][0]())
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * 4 * BLOCK
+
+
 def _expected_released(prompt_len: int, start: int, end: int) -> int:
     """Blocks wholly inside the document and the prompt."""
     return sum(
@@ -163,6 +172,11 @@ def test_readers_give_back_their_document_blocks_and_decode_the_same_tokens(
                                           start + doc_len)  # fmt: skip
             assert expected > 0
             assert report["released_blocks"] == expected, report
+            # what it held at its end: its other blocks (prompt and generated rows) + its mirror
+            tokens = len(prompt["prompt_token_ids"]) + max_tokens - 1
+            kept = -(-tokens // BLOCK) - expected
+            held = kept * _block_bytes(model) + report["mirror_bytes"]
+            assert report["kv_held_bytes"] == held, report
             assert report["cascade_steps"] == max_tokens - 1 and "kv_share_off" not in report
             assert "released_blocks" not in _report(want, req_id)
 

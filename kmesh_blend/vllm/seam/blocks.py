@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "StepRequest",
+    "block_bytes",
     "check_prefix_caching",
+    "held_blocks",
     "release_blocks",
     "rewrite_hashes",
     "step_requests",
@@ -101,6 +103,21 @@ def release_blocks(manager: KVCacheManager, request: Request,
         pool.evict_blocks({block.block_id for block in freed})
         pool.free_blocks(freed)
     return len(freed)
+
+
+def held_blocks(manager: KVCacheManager, block_ids: list[int]) -> int:
+    """How many of a request's ``block_ids`` are blocks of vLLM's pool (not its null block)."""
+    null = manager.block_pool.null_block.block_id
+    return sum(1 for block_id in block_ids if block_id != null)
+
+
+def block_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes of one block across every layer of the (single) KV cache group; 0 when unknown."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) != 1:
+        return 0
+    group = groups[0]
+    return int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
 
 
 def rewrite_hashes(request: Request, start: int, stop: int, mix: Mix) -> int:
