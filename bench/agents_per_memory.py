@@ -191,7 +191,7 @@ def summary(driven: Driven, beside: list[int], stamps: list[float], block_bytes:
     trace = driven.trace
     peak = max(range(len(trace)), key=lambda i: (trace[i].running, -i))
     state = trace[peak]
-    in_use = state.num_blocks - 1 - state.free_blocks  # vLLM's null block is never free
+    in_use = state.num_blocks - 1 - state.blocks_free  # vLLM's null block is never free
     per_agent, step_s, running = [], [], []
     for i in range(len(trace)):
         if driven.decode_only(i):

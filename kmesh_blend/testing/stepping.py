@@ -41,7 +41,7 @@ class Driven:
 
     @property
     def fewest_free(self) -> int:
-        return min((s.free_blocks for s in self.trace), default=0)
+        return min((s.blocks_free for s in self.trace), default=0)
 
     @property
     def num_preempted(self) -> int:

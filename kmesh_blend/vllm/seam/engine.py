@@ -171,7 +171,7 @@ class PoolState(NamedTuple):
 
     running: int
     waiting: int
-    free_blocks: int
+    blocks_free: int
     num_blocks: int
     preemptions: dict[str, int]
 
