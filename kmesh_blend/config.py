@@ -130,6 +130,10 @@ class KMeshConfig:
     held once next to vLLM's KV budget (host RAM), each reader's replaced rows (its mirror)
     beside it (`kmesh_blend/vllm/kv_release.py`). More agents fit one KV budget; blocks stay
     wherever every later step cannot be served by the cascade path (the report says why)."""
+    share_kv_host_bytes: int = 1 << 30
+    """With ``share_kv_memory``: host RAM (bytes) the released readers' mirrors may hold next to
+    vLLM's KV budget (≥ 0); a reader whose mirror would pass it keeps its blocks (its report
+    says so). The masters cascade decode reads are not counted here (one per document)."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -163,6 +167,7 @@ class KMeshConfig:
             _fail("kmesh.cascade_decode", self.cascade_decode, "not a bool", "true or false")
         if not isinstance(self.share_kv_memory, bool):
             _fail("kmesh.share_kv_memory", self.share_kv_memory, "not a bool", "true or false")
+        _check_int("kmesh.share_kv_host_bytes", self.share_kv_host_bytes, minimum=0)
         if self.share_kv_memory and not self.cascade_decode:
             _fail(
                 "kmesh.share_kv_memory",

@@ -62,6 +62,7 @@ def test_round_trip() -> None:
         "kmesh.compress_mirrors": False,
         "kmesh.cascade_decode": False,
         "kmesh.share_kv_memory": False,
+        "kmesh.share_kv_host_bytes": 1 << 30,
     }
     back = KMeshConfig.from_extra_config(extra)
     assert back == cfg
@@ -133,6 +134,7 @@ VALID = {
     "kmesh.compress_mirrors": "true or false",
     "kmesh.cascade_decode": "true or false",
     "kmesh.share_kv_memory": "true or false",
+    "kmesh.share_kv_host_bytes": "an int ≥ 0",
 }
 R, L, SEL, SCH, ST = (
     "kmesh.recompute_ratio",
@@ -195,6 +197,8 @@ R, L, SEL, SCH, ST = (
         ("kmesh.cascade_decode", 0),
         ("kmesh.share_kv_memory", "yes"),
         ("kmesh.share_kv_memory", 1),
+        ("kmesh.share_kv_host_bytes", -1),
+        ("kmesh.share_kv_host_bytes", "1G"),
     ],
     ids=repr,
 )

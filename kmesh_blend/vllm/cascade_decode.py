@@ -81,14 +81,15 @@ class CascadeDecode:
         self.broken: str | None = None  # set by an error inside the path: vLLM's forward only
         self.sharing: Sharing | None = None  # with kmesh.share_kv_memory (`share`)
 
-    def share(self, world_size: int) -> None:
-        """Give back released readers' segment blocks from now on (``kmesh.share_kv_memory``)."""
+    def share(self, world_size: int, cap: int) -> None:
+        """Give back readers' segment blocks from now on (``kmesh.share_kv_memory``), their
+        mirrors within ``cap`` bytes."""
         off = None
         if self.kernel is None:
             off = "cascade decode runs on its plain-torch fallback, not the CPU kernel"
         elif world_size > 1:
             off = f"tensor parallelism ({world_size} ranks would each have to agree)"
-        self.sharing = Sharing(off)
+        self.sharing = Sharing(off, cap)
 
     # --- lifecycle ------------------------------------------------------------------------------
 

@@ -98,10 +98,11 @@ def take_mirror(own_slots: list[torch.Tensor], released: list[int], block_size: 
 
 class Sharing:
     """The worker's releases (one per engine, owned by `CascadeDecode`): ``off`` says why no block
-    goes back in this engine (None: they may)."""
+    goes back in this engine (None: they may); the mirrors held at once stay within ``cap``
+    bytes (``kmesh.share_kv_host_bytes``)."""
 
-    def __init__(self, off: str | None) -> None:
-        self.off = off
+    def __init__(self, off: str | None, cap: int = 1 << 62) -> None:
+        self.off, self.cap = off, cap
         self.pinned: dict[str, int] = {}  # released reader → its mirror's bytes
         self.pending: dict[str, list[tuple[int, int]]] = {}  # for the scheduler: (index, id)
 
@@ -118,6 +119,11 @@ class Sharing:
             return "kv_share_off", "no block of its prompt holds only rows of reused segments"
         ids = [plan.block_ids[i] for i in indices]
         mirror = take_mirror(plan.own_slots, ids, block_size, layout, caches)
+        if self.mirror_bytes + mirror.nbytes > self.cap:
+            return "kv_share_off", (
+                f"kmesh.share_kv_host_bytes={self.cap} reached ({self.mirror_bytes} bytes of "
+                f"mirrors held, this one {mirror.nbytes}): its blocks stay"
+            )
         plan.release = Release(indices, ids, mirror)
         self.pinned[plan.req_id] = mirror.nbytes
         self.pending[plan.req_id] = list(zip(indices, ids, strict=True))

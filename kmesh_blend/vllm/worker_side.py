@@ -135,7 +135,7 @@ class WorkerSide:
             kv = EngineKV(layers, self.kv_caches, self.paged, self.rope, heads)
             self.cascade, self.cascade_off = install_cascade(kv, self.batch_ids)
             if self.cascade is not None and self.config.share_kv_memory:
-                self.cascade.share(self.world_size)
+                self.cascade.share(self.world_size, self.config.share_kv_host_bytes)
 
     @torch.no_grad()
     def load(self, meta: KMeshMetadata) -> None:

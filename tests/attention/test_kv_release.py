@@ -67,3 +67,19 @@ def test_overwritten_blocks_are_caught_without_the_mirror() -> None:
         cache[released] = torch.randn_like(cache[released]) * 100
     out, _ = _attend(plans, contexts, caches, layout, rope)
     assert max(float((got - want).abs().max()) for got, want in out) > 1e-2
+
+
+def test_mirrors_stay_within_the_host_bytes_cap() -> None:
+    """``kmesh.share_kv_host_bytes``: once the mirrors held would pass the cap, a reader keeps
+    its blocks and says why; one that fits still gives its blocks back."""
+    plans, _, caches, layout, rope = _case(LAYOUTS["beside_a_single_reader"])
+    for plan in plans:
+        assert plan.arm(layout, caches, rope) is None
+    probe = Sharing(None)
+    _, first = probe.consider(plans[0], BLOCK, layout, caches)
+    plans[0].release = None
+    sharing = Sharing(None, cap=int(first))
+    assert sharing.consider(plans[0], BLOCK, layout, caches) == ("mirror_bytes", first)
+    field, why = sharing.consider(plans[1], BLOCK, layout, caches)
+    assert field == "kv_share_off" and "kmesh.share_kv_host_bytes" in str(why)
+    assert plans[1].release is None and list(sharing.take()) == [plans[0].req_id]
