@@ -3,7 +3,7 @@ limits them.
 
 Same tasks, references and metrics as `bench/quality.py --model smollm2` (fp32 engine, the
 blend's `VllmModel`, check layers 1–3). Every variant runs through the same executor
-(`RequestBlend`) on the same stale rows:
+(`RequestBlend`, variants in `bench/_beyond.py`) on the same stale rows unless it changes them:
 
 - ``deviation``: the default rule at ratio 0.15;
 - ``drift auto``: with ``kmesh.drift_correction = "auto"`` (`kmesh_blend.blend.drift`: the
@@ -11,13 +11,26 @@ blend's `VllmModel`, check layers 1–3). Every variant runs through the same ex
 - ``drift α=0.3``: the same shift with one fixed share instead of the measured one;
 - ``oracle mean shift``: each segment's stale rows shifted by their own *true* mean error per KV
   head (from the full prefill of the very prompt): the best any segment-wide shift can do;
+  ``oracle shift per 16 positions``: the same per run of 16 positions from the segment's start,
+  the best a drift model by position can do;
 - ``adaptive mass m``: a per-request budget — the smallest share of a request's reused tokens
   that carries m of the first check layer's squared deviation (at least 0.15); its mean share is
-  printed, to compare with the fixed ratios ``deviation 0.3`` and ``deviation 0.5``.
+  printed, to compare with the fixed ratios ``deviation 0.3`` and ``deviation 0.5``;
+- ``layers a then b``: per-layer budgets — a share ``a`` kept through layer 15 and ``b`` from
+  layer 16 (a further check layer), the reused rows computed over all layers the same as ratio
+  0.15's (``rows × layers`` printed);
+- ``query-aware``: the check layers' deviation weighted by the attention the question (the
+  prompt's text after its last segment) pays each row there;
+- ``anchored masters``: each document's master computed after one fixed anchor (the chat
+  template's header with a fixed system prompt) instead of after its reader's own text;
+- ``chained masters``: each follow-up of a family blends from the previous follow-up's blended
+  rows (computed in a follow-up's context) instead of the reader's master; ``chained after
+  full``: the first follow-up computes everything (its cost is in the recomputed share).
 
 Printed per variant: top-1 agreement ± standard error (clustered by task), KL, the stale rows'
-relative error against the full prefill's KV (keys, values; mean over layers) and the mean
-recomputed share. `make bench` keeps its result line in bench/results/beyond_selection.json.
+relative error against the full prefill's KV (keys, values; mean over layers), the mean
+recomputed share and the reused rows computed summed over layers (share of all of them).
+`make bench` keeps its result line in bench/results/beyond_selection.json.
 
 Run: python bench/beyond_selection.py [--quick]   (2 of the 8 tasks)
 """
@@ -33,90 +46,84 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _beyond import FIXED_ALPHA, POSITION_BIN, FixedShare, OracleShift, Variant
 from _stale_rows import run_on_stale, smollm2_tasks
 
-from kmesh_blend.blend import BlendOptions, BlendRequest, RequestBlend, blend_group
+from kmesh_blend.blend import BlendOptions, DenseSegmentSource, SegmentKV, blend_group
 from kmesh_blend.blend.drift import DriftCorrection
-from kmesh_blend.blend.plan import check_ratios, keep_count
+from kmesh_blend.quality.chat_harness import aggregate, masters, references
 
 RATIO = 0.15
-FIXED_ALPHA = 0.3
 MASSES = (0.7, 0.85)
-
-
-class _FixedShare(DriftCorrection):
-    """Drift correction with one share for every segment and head."""
-
-    def calibrate(self, computed: Any, fresh_k: Any, fresh_v: Any, stored_k: Any, stored_v: Any,
-                  keep: Any) -> None:  # fmt: skip
-        super().calibrate(computed, fresh_k, fresh_v, stored_k, stored_v, keep)
-        self.alphas = {s: (torch.full_like(a, FIXED_ALPHA), torch.full_like(b, FIXED_ALPHA))
-                       for s, (a, b) in self.alphas.items()}  # fmt: skip
-
-
-class _OracleShift(DriftCorrection):
-    """Stale rows shifted by their own true mean error (``full``: per layer (K, V) [T, Hkv, D])."""
-
-    def __init__(self, full: list[tuple[torch.Tensor, torch.Tensor]], *args: Any) -> None:
-        super().__init__(*args)
-        self.full, self.layer = full, -1
-
-    def apply(self, computed: Any, fresh_k: Any, fresh_v: Any, stored_k: Any, stored_v: Any,
-              layer_k: torch.Tensor, layer_v: torch.Tensor) -> None:  # fmt: skip
-        full_k, full_v = self.full[self.layer]
-        is_computed = torch.zeros_like(self.own)
-        is_computed[computed] = True
-        for start, end in self.spans:
-            stale = (self.own & ~is_computed)[start:end].nonzero().squeeze(1) + start
-            if stale.numel() == 0:
-                continue
-            pos = self.positions[stale]
-            dk = self.rope.apply((full_k[stale] - layer_k[stale]).float(), -pos).mean(0)
-            moved = self.rope.apply(dk.expand(stale.numel(), -1, -1).contiguous(), pos)
-            layer_k[stale] += moved.to(layer_k.dtype)
-            layer_v[stale] += (full_v[stale] - layer_v[stale]).float().mean(0).to(layer_v.dtype)
-
-
-class _Variant(RequestBlend):
-    """A request blend with a drift variant (``drift``) or an adaptive budget (``mass``)."""
-
-    def __init__(self, model: Any, request: BlendRequest, options: BlendOptions,
-                 drift: Any = None, mass: float | None = None) -> None:  # fmt: skip
-        super().__init__(model, request, options)
-        if drift is not None:
-            self.drift = drift(model.rope, self.positions, self.reused.clone(), request.uses)
-        self.mass = mass
-
-    def begin(self, layer: int, stored_k: Any, stored_v: Any) -> Any:
-        if isinstance(self.drift, _OracleShift):
-            self.drift.layer = layer
-        return super().begin(layer, stored_k, stored_v)
-
-    def _score(self, k: Any, v: Any, stored_k: Any, stored_v: Any) -> torch.Tensor:
-        score = super()._score(k, v, stored_k, stored_v)
-        layer = len(self.keys)
-        if self.mass is not None and layer == self.options.check_layers[0]:
-            rows = self.checks[layer][0][0][self.computed]
-            ranked = torch.sort(score[rows], descending=True).values
-            need = int((ranked.cumsum(0) / ranked.sum() < self.mass).sum()) + 1
-            ratio = max(self.options.recompute_ratio, need / ranked.numel())
-            shares = check_ratios(ratio, len(self.options.check_layers))
-            self.checks = {
-                c: [(g, keep_count(share, int(g.sum()))) for g, _ in self.checks[c]]
-                for c, share in zip(self.options.check_layers, shares, strict=True)
-            }
-        return score
+# Per-layer budgets, front-loaded: a further check layer keeps a smaller share, with the share
+# before it raised so the reused rows computed over all layers stay those of ratio 0.15.
+LATER = {"layers 0.20 then 0.10": (0.20, {16: 0.10}),
+         "layers 0.25 then 0.05": (0.25, {16: 0.05})}  # fmt: skip
+ANCHOR_SYSTEM = "You are a helpful assistant."
 
 
 def _stale_error(res: Any, full: list[tuple[torch.Tensor, torch.Tensor]],
-                 reused: torch.Tensor) -> tuple[float, float]:  # fmt: skip
+                 reused: torch.Tensor) -> tuple[float, float] | None:  # fmt: skip
+    """The stale rows' relative squared error (keys, values; mean over layers), None if none."""
     stale = reused & ~res.recomputed
+    if not bool(stale.any()):
+        return None
     err = torch.zeros(2)
     for (fk, fv), k, v in zip(full, res.keys, res.values, strict=True):
         for i, (a, b) in enumerate(((k, fk), (v, fv))):
             err[i] += (a[stale] - b[stale]).float().pow(2).sum() / b[stale].float().pow(2).sum()
     k_err, v_err = (err / len(full)).tolist()
     return k_err, v_err
+
+
+def _variants() -> dict[str, dict[str, Any]]:
+    """Name → what differs from the deviation rule at ratio 0.15: ``ratio``, ``drift`` (a
+    `DriftCorrection` class, "oracle" or "oracle by position"), ``mass`` (adaptive budget),
+    ``later`` (per-layer budget), ``query`` (query-aware ranking), ``source`` (where the stale
+    rows come from: "reader" masters, "anchor" masters, or "chain" / "chain after full": the
+    family's previous follow-up's blended rows, the first follow-up blending at ``ratio`` or
+    computing everything)."""
+    auto = {"drift": DriftCorrection}
+    return {
+        "deviation": {},
+        "drift auto": auto,
+        f"drift α={FIXED_ALPHA}": {"drift": FixedShare},
+        "oracle mean shift": {"drift": "oracle"},
+        f"oracle shift per {POSITION_BIN} positions": {"drift": "oracle by position"},
+        **{f"adaptive mass {m}": {"mass": m} for m in MASSES},
+        **{name: {"ratio": r, "later": later} for name, (r, later) in LATER.items()},
+        **{
+            f"{name} + drift": {"ratio": r, "later": later, **auto}
+            for name, (r, later) in LATER.items()
+        },
+        "query-aware": {"query": True},
+        "query-aware + drift": {"query": True, **auto},
+        "anchored masters + drift": {"source": "anchor", **auto},
+        "chained masters + drift": {"source": "chain", **auto},
+        "chained after full + drift": {"source": "chain after full", **auto},
+        "deviation 0.3": {"ratio": 0.3},
+        "deviation 0.5": {"ratio": 0.5},
+    }
+
+
+def _anchored(model: Any, tokenizer: Any, task: Any) -> DenseSegmentSource:
+    """Each document's master computed after one fixed anchor (the chat template's header with
+    `ANCHOR_SYSTEM`) instead of after its reader's own text."""
+    from kmesh_blend.quality.chat import ChatTask, chat_prompt
+
+    readers = tuple(chat_prompt(tokenizer, ANCHOR_SYSTEM, "", [doc], "") for doc in task.documents)
+    return masters(model, ChatTask(task.documents, readers, task.requests))
+
+
+def _chained(result: Any, request: Any) -> DenseSegmentSource:
+    """A follow-up's blended rows of each segment it used, as the next follow-up's masters."""
+    source = DenseSegmentSource()
+    for use in request.uses:
+        rows = slice(use.start, use.end)
+        keys = torch.stack([k[rows] for k in result.keys])
+        values = torch.stack([v[rows] for v in result.values])
+        source.add(use.segment_id, SegmentKV(keys, values, torch.arange(use.start, use.end)))
+    return source
 
 
 def main() -> None:
@@ -128,48 +135,56 @@ def main() -> None:
 
     from kmesh_blend.models.layerwise import prefill
     from kmesh_blend.quality import Setting
-    from kmesh_blend.quality.chat_harness import aggregate, masters, references
     from kmesh_blend.quality.metrics import compare, continuation_logits
     from kmesh_blend.quality.report import ANSWER_TOKENS, close
 
     began = time.perf_counter()
     tokenizer, tasks, llm, model = smollm2_tasks(args.quick, SMOLLM2_CHECKS)
-    opts = {
-        r: BlendOptions(recompute_ratio=r, check_layers=SMOLLM2_CHECKS) for r in (RATIO, 0.3, 0.5)
-    }
-    variants: dict[str, Any] = {
-        "deviation": (opts[RATIO], None, None),
-        "drift auto": (opts[RATIO], DriftCorrection, None),
-        f"drift α={FIXED_ALPHA}": (opts[RATIO], _FixedShare, None),
-        "oracle mean shift": (opts[RATIO], "oracle", None),
-        **{f"adaptive mass {m}": (opts[RATIO], None, m) for m in MASSES},
-        "deviation 0.3": (opts[0.3], None, None),
-        "deviation 0.5": (opts[0.5], None, None),
-    }
+    variants = _variants()
     parts: dict[str, list[Any]] = {name: [] for name in variants}
     errors: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
-    shares: dict[str, list[float]] = {name: [] for name in variants}
+    shares: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     kinds: list[str] = []
+    num_layers = model.shape.num_layers
     try:
         stop = (int(tokenizer.eos_token_id),)
         refs = references(model, tasks, ANSWER_TOKENS, None, stop)
         plain = BlendOptions(recompute_ratio=0.0, check_layers=(1,))
         for j, (task, task_refs) in enumerate(zip(tasks, refs, strict=True)):
-            source = masters(model, task)
-            for prompt, ref in zip(task.requests, task_refs, strict=True):
+            sources = {"reader": masters(model, task), "anchor": _anchored(model, tokenizer, task)}
+            chains: dict[str, DenseSegmentSource] = {}
+            for i, (prompt, ref) in enumerate(zip(task.requests, task_refs, strict=True)):
                 kinds.append(prompt.kind)
                 request = prompt.blend_request()
-                stale = blend_group(model, [request], source, plain)[0]
                 done = prefill(model, request.token_ids, last_only=True)
                 full = list(zip(done.keys, done.values, strict=True))
-                for name, (options, drift, mass) in variants.items():
-                    if drift == "oracle":
-                        drift = lambda *a, full=full: _OracleShift(full, *a)  # noqa: E731
-                    res = run_on_stale(_Variant(model, request, options, drift, mass), stale)
+                stale_of: dict[int, Any] = {}
+                for name, spec in variants.items():
+                    kind = spec.get("source", "reader")
+                    source = chains.get(name, sources["reader" if "chain" in kind else kind])
+                    ratio = spec.get("ratio", RATIO)
+                    if kind == "chain after full" and i == 0:
+                        ratio = 1.0
+                    options = BlendOptions(recompute_ratio=ratio, check_layers=SMOLLM2_CHECKS)
+                    drift = spec.get("drift")
+                    if drift in ("oracle", "oracle by position"):
+                        bins = POSITION_BIN if drift == "oracle by position" else None
+                        drift = lambda *a, b=bins, f=full: OracleShift(f, b, *a)  # noqa: E731
+                    if id(source) not in stale_of:
+                        stale_of[id(source)] = blend_group(model, [request], source, plain)[0]
+                    blend = Variant(model, request, options, drift, spec.get("mass"),
+                                    spec.get("later"), spec.get("query", False))  # fmt: skip
+                    res = run_on_stale(blend, stale_of[id(source)])
+                    if "chain" in kind:
+                        chains[name] = _chained(res, request)
                     rows = continuation_logits(model, res.keys, res.values, res.logits, ref.answer)
                     parts[name].append((j, compare(ref.rows, rows, ref.answer)))
-                    errors[name].append(_stale_error(res, full, request.reused_mask))
-                    shares[name].append(res.num_recomputed / max(1, res.num_reused))
+                    error = _stale_error(res, full, request.reused_mask)
+                    if error is not None:
+                        errors[name].append(error)
+                    reused = max(1, res.num_reused)
+                    shares[name].append((res.num_recomputed / reused,
+                                         blend.token_layers / (reused * num_layers)))  # fmt: skip
             print(f"[{time.perf_counter() - began:5.0f} s] task {j + 1}/{len(tasks)}", flush=True)
     finally:
         close(llm)
@@ -178,16 +193,19 @@ def main() -> None:
         comparisons, clusters = [p for _, p in parts[name]], [j for j, _ in parts[name]]
         r = aggregate(Setting(RATIO), comparisons, kinds, clusters, RATIO, 0.0)
         err = torch.tensor(errors[name]).mean(0).tolist()
+        share = torch.tensor(shares[name]).mean(0).tolist()
         table.append({"variant": name, "agreement": round(r.agreement, 4),
                       "agreement_se": round(r.agreement_se, 4), "kl": float(f"{r.kl:.4g}"),
                       "identical_answers": round(r.identical_answers, 4),
                       "stale_error_k": float(f"{err[0]:.4g}"),
                       "stale_error_v": float(f"{err[1]:.4g}"),
-                      "recomputed": round(sum(shares[name]) / len(shares[name]), 4)})  # fmt: skip
+                      "recomputed": round(share[0], 4),
+                      "token_layers": round(share[1], 4)})  # fmt: skip
         row = table[-1]
-        print(f"  {name:20s} agreement {row['agreement']:.4f} ± {row['agreement_se']:.4f}, KL "
+        print(f"  {name:34s} agreement {row['agreement']:.4f} ± {row['agreement_se']:.4f}, KL "
               f"{row['kl']:.2e}, stale error K {row['stale_error_k']:.2e} V "
-              f"{row['stale_error_v']:.2e}, recomputed {row['recomputed']:.3f}")  # fmt: skip
+              f"{row['stale_error_v']:.2e}, recomputed {row['recomputed']:.3f} "
+              f"(rows × layers {row['token_layers']:.3f})")  # fmt: skip
     base = table[0]["agreement"]
     emit({
         "name": "beyond_selection",

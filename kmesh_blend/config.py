@@ -10,9 +10,22 @@ import dataclasses
 import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, NoReturn, get_args
+from typing import Literal, NamedTuple, get_args
 
-from kmesh_blend.rules import ratio_problem, sink_tokens_problem
+from kmesh_blend.config_checks import STORE_VALID as _STORE_VALID
+from kmesh_blend.config_checks import (
+    ConfigError,
+    check_bool,
+    check_choice,
+    check_int,
+    check_layers,
+    check_ratio,
+    check_seconds,
+    check_separator,
+)
+from kmesh_blend.config_checks import fail as _fail
+from kmesh_blend.config_checks import parse_host_port as _parse_host_port
+from kmesh_blend.rules import sink_tokens_problem
 
 StoreKind = Literal["cpu", "disk", "lm", "redis"]
 Selection = Literal["per_request", "collective"]
@@ -21,14 +34,6 @@ Deviation = Literal["k", "v", "kv"]
 Drift = Literal["off", "auto"]  # = rules.DRIFTS
 
 PREFIX = "kmesh."
-
-
-class ConfigError(ValueError):
-    """A bad kmesh setting; the message names the key, the bad value and what is valid."""
-
-    def __init__(self, message: str, *, key: str) -> None:
-        super().__init__(message)
-        self.key = key
 
 
 class StoreSpec(NamedTuple):
@@ -137,37 +142,24 @@ class KMeshConfig:
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_store_spec", parse_store(self.store))
-        object.__setattr__(self, "recompute_ratio", _check_ratio(self.recompute_ratio))
-        object.__setattr__(self, "check_layers", _check_layers(self.check_layers))
-        object.__setattr__(self, "selection", _check_choice("kmesh.selection", self.selection))
-        object.__setattr__(self, "schedule", _check_choice("kmesh.schedule", self.schedule))
-        object.__setattr__(self, "deviation", _check_choice("kmesh.deviation", self.deviation))
-        drift = _check_choice("kmesh.drift_correction", self.drift_correction)
-        object.__setattr__(self, "drift_correction", drift)
+        def norm(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        norm("_store_spec", parse_store(self.store))
+        norm("recompute_ratio", check_ratio(self.recompute_ratio))
+        norm("check_layers", check_layers(self.check_layers))
+        for name, choices in _CHOICES.items():
+            norm(name, check_choice(PREFIX + name, getattr(self, name), choices))
         if (problem := sink_tokens_problem(self.sink_tokens)) is not None:
             _fail("kmesh.sink_tokens", self.sink_tokens, problem, "an int ≥ 0")
-        object.__setattr__(self, "sink_tokens", int(self.sink_tokens))
-        _check_int("kmesh.round_lifetime", self.round_lifetime, minimum=1)
-        _check_int("kmesh.max_round_jump", self.max_round_jump, minimum=1)
-        _check_int("kmesh.retention_bytes", self.retention_bytes, minimum=0)
-        _check_int("kmesh.store_cpu_bytes", self.store_cpu_bytes, minimum=1)
-        timeout = self.singleflight_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            _fail("kmesh.singleflight_timeout_s", timeout, "not a positive number", "seconds > 0")
-        object.__setattr__(self, "singleflight_timeout_s", float(timeout))
-        timeout = self.store_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            _fail("kmesh.store_timeout_s", timeout, "not a positive number", "seconds > 0")
-        object.__setattr__(self, "store_timeout_s", float(timeout))
-        object.__setattr__(self, "separator", _check_separator(self.separator))
-        if not isinstance(self.compress_mirrors, bool):
-            _fail("kmesh.compress_mirrors", self.compress_mirrors, "not a bool", "true or false")
-        if not isinstance(self.cascade_decode, bool):
-            _fail("kmesh.cascade_decode", self.cascade_decode, "not a bool", "true or false")
-        if not isinstance(self.share_kv_memory, bool):
-            _fail("kmesh.share_kv_memory", self.share_kv_memory, "not a bool", "true or false")
-        _check_int("kmesh.share_kv_host_bytes", self.share_kv_host_bytes, minimum=0)
+        norm("sink_tokens", int(self.sink_tokens))
+        for name, minimum in _INT_MINIMA.items():
+            check_int(PREFIX + name, getattr(self, name), minimum)
+        for name in ("singleflight_timeout_s", "store_timeout_s"):
+            norm(name, check_seconds(PREFIX + name, getattr(self, name)))
+        norm("separator", check_separator(self.separator))
+        for name in ("compress_mirrors", "cascade_decode", "share_kv_memory"):
+            check_bool(PREFIX + name, getattr(self, name))
         if self.share_kv_memory and not self.cascade_decode:
             _fail(
                 "kmesh.share_kv_memory",
@@ -228,92 +220,16 @@ KNOWN_KEYS: tuple[str, ...] = tuple(
 )
 
 
-# ---------------------------------------------------------------------------------------------
-# helpers
-
-_STORE_VALID = "'cpu', 'disk:///ABS/PATH', 'lm://HOST:PORT' or 'redis://HOST:PORT'"
-_RATIO_VALID = "a number in [0, 1] (float, or int 0/1; not bool)"
-_LAYERS_VALID = (
-    "a non-empty, strictly increasing list of distinct non-negative ints (or a string like '1,3')"
-)
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "kmesh.selection": get_args(Selection),
-    "kmesh.schedule": get_args(Schedule),
-    "kmesh.deviation": get_args(Deviation),
-    "kmesh.drift_correction": get_args(Drift),
+    "selection": get_args(Selection),
+    "schedule": get_args(Schedule),
+    "deviation": get_args(Deviation),
+    "drift_correction": get_args(Drift),
 }
-
-
-def _fail(key: str, value: object, reason: str, valid: str) -> NoReturn:
-    raise ConfigError(f"invalid {key}={value!r}: {reason}; valid: {valid}", key=key)
-
-
-def _parse_host_port(value: str, rest: str) -> tuple[str, int]:
-    host, sep, port = rest.rpartition(":")
-    if not sep:
-        _fail("kmesh.store", value, "missing ':PORT'", _STORE_VALID)
-    if not host or "/" in host or any(c.isspace() for c in host):
-        _fail("kmesh.store", value, "host must be non-empty", _STORE_VALID)
-    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
-        _fail("kmesh.store", value, "port must be an int in 1..65535", _STORE_VALID)
-    return host, int(port)
-
-
-def _check_ratio(value: object) -> float:
-    problem = ratio_problem(value)
-    if problem is not None:
-        _fail("kmesh.recompute_ratio", value, problem, _RATIO_VALID)
-    return float(value)  # type: ignore[arg-type]
-
-
-def _check_layers(value: object) -> tuple[int, ...]:
-    key = "kmesh.check_layers"
-    items: list[object]
-    if isinstance(value, str):
-        try:
-            items = [int(part) for part in value.split(",")] if value.strip() else []
-        except ValueError:
-            _fail(key, value, "not a comma-separated list of ints", _LAYERS_VALID)
-    elif isinstance(value, list | tuple):
-        items = list(value)
-    else:
-        _fail(key, value, "not a list", _LAYERS_VALID)
-    if not items:
-        _fail(key, value, "empty", _LAYERS_VALID)
-    layers: list[int] = []
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
-            _fail(key, value, f"entry {item!r} is not a non-negative int", _LAYERS_VALID)
-        layers.append(item)
-    if len(set(layers)) != len(layers):
-        _fail(key, value, "duplicate layers", _LAYERS_VALID)
-    if layers != sorted(layers):
-        _fail(key, value, "not strictly increasing", _LAYERS_VALID)
-    return tuple(layers)
-
-
-def _check_choice(key: str, value: object) -> str:
-    choices = _CHOICES[key]
-    if not isinstance(value, str) or value not in choices:
-        _fail(key, value, "unknown choice", "one of " + ", ".join(repr(c) for c in choices))
-    return value
-
-
-def _check_int(key: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        _fail(key, value, f"not an int ≥ {minimum}", f"an int ≥ {minimum}")
-
-
-def _check_separator(value: object) -> tuple[int, ...]:
-    key, valid = "kmesh.separator", "a list of token ids (non-negative ints), or '' / [] for off"
-    if isinstance(value, str):
-        try:
-            value = [int(part) for part in value.split(",")] if value.strip() else []
-        except ValueError:
-            _fail(key, value, "not a comma-separated list of ints", valid)
-    if not isinstance(value, list | tuple):
-        _fail(key, value, "not a list", valid)
-    for item in value:
-        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
-            _fail(key, value, f"entry {item!r} is not a token id", valid)
-    return tuple(value)
+_INT_MINIMA = {
+    "round_lifetime": 1,
+    "max_round_jump": 1,
+    "retention_bytes": 0,
+    "store_cpu_bytes": 1,
+    "share_kv_host_bytes": 0,
+}

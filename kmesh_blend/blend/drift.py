@@ -48,7 +48,8 @@ class DriftCorrection:
         self.spans = [(u.start, u.end) for u in uses]
         # span start → (α_k, α_v), each [Hkv, 1] fp32
         self.alphas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.shifted_rows = 0
+        self.shifted_rows = 0  # stale rows shifted, summed over layers
+        self.last_rows = 0  # stale rows shifted in the latest layer
         # Each use's own rows and their rotation: the request's, made at the first plan.
         self._ranges: list[_OwnRange] | None = None
         # Per computed set (the executor keeps one tensor from a check layer to the next): the
@@ -90,6 +91,7 @@ class DriftCorrection:
         ``computed``: [n] int64 rows computed in this layer, ``fresh_*`` their rows and
         ``stored_*`` the stored rows of the same tokens, each [n, Hkv, D].
         """
+        self.last_rows = 0
         if not self.alphas:
             return
         dk, dv = self._deltas(computed, fresh_k, fresh_v, stored_k, stored_v)
@@ -108,6 +110,7 @@ class DriftCorrection:
             layer_k[rows] += rotate(shift_k.to(layer_k.dtype), turn)
             layer_v[rows] += shift_v.to(layer_v.dtype)
             self.shifted_rows += span.stale
+            self.last_rows += span.stale
 
     def _deltas(
         self, computed: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor,

@@ -66,6 +66,9 @@ class BlendResult(NamedTuple):
     reused tokens that were recomputed through the last layer. last_state: the last prompt
     token's output of the last layer, [1, ...] in the model's state format (what its final norm
     and LM head read; the vLLM worker hands it to vLLM's sampler in place of vLLM's own).
+    drift_rows: with drift correction on, the stale rows it shifted in the last layer (0: it
+    had nothing to measure or shift); None when it was off or no check layer ran (ratio 0
+    or 1.0).
     """
 
     keys: list[torch.Tensor]
@@ -75,6 +78,15 @@ class BlendResult(NamedTuple):
     num_reused: int
     num_recomputed: int
     last_state: torch.Tensor
+    drift_rows: int | None = None
+
+    def report_fields(self) -> dict[str, int]:
+        """The counts a request's report carries about its blend."""
+        fields = {"reused_tokens": int(self.num_reused),
+                  "recomputed_tokens": int(self.num_recomputed)}  # fmt: skip
+        return (
+            fields if self.drift_rows is None else {**fields, "drift_shifted_rows": self.drift_rows}
+        )
 
 
 class RequestBlend:
@@ -198,9 +210,9 @@ class RequestBlend:
         recomputed &= self.reused
         last = self.hidden[-1:]
         logits = self.model.logits(last)
-        return BlendResult(
-            self.keys, self.values, logits, recomputed, self.num_reused, int(recomputed.sum()), last
-        )
+        drift = None if self.drift is None else self.drift.last_rows
+        return BlendResult(self.keys, self.values, logits, recomputed, self.num_reused,
+                           int(recomputed.sum()), last, drift)  # fmt: skip
 
     # --- helpers --------------------------------------------------------------------------------
 

@@ -179,6 +179,11 @@ class CascadeDecode:
         """Bytes of the masters held for live readers (next to vLLM's KV budget)."""
         return sum(m.k_t.nbytes + m.v.nbytes for m in self.masters.values())
 
+    def held_bytes(self) -> dict[str, int]:
+        """KV held next to vLLM's budget (gauges, bytes): masters, and mirrors with sharing."""
+        mirrors = self.sharing.mirror_bytes if self.sharing is not None else 0
+        return {"shared_master_bytes": self.master_bytes, "mirror_bytes": mirrors}
+
     @property
     def num_pinned(self) -> int:
         return len(self.sharing.pinned) if self.sharing is not None else 0

@@ -27,8 +27,6 @@ prefix caching on and says why.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -41,28 +39,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kmesh_blend.config import KMeshConfig
-from kmesh_blend.segments.fingerprint import weights_fingerprint
-from kmesh_blend.segments.identity import Namespace, SegmentId, make_namespace
 from kmesh_blend.vllm.meta import KMeshMetadata
-from kmesh_blend.vllm.prefix_cache import Privatizer
 from kmesh_blend.vllm.prom import KMeshPromMetrics, KMeshStats
 from kmesh_blend.vllm.scheduler_side import SchedulerSide
 from kmesh_blend.vllm.seam import log_report
 from kmesh_blend.vllm.seam.blocks import (
     block_bytes,
-    check_prefix_caching,
-    hash_block_size,
     held_blocks,
     release_blocks,
     step_requests,
 )
 from kmesh_blend.vllm.seam.engine import attention_layers, recompute_failed_loads, tp_shard
 from kmesh_blend.vllm.seam.runners import batch_order, loaded_model
+from kmesh_blend.vllm.startup import engine_namespace, prefix_privatizer, shared_store_lookup
 from kmesh_blend.vllm.stats import Payload
 from kmesh_blend.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
-    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -94,10 +88,10 @@ class KMeshConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(
                 self.config,
-                _namespace(vllm_config),
+                engine_namespace(vllm_config),
                 model_config.max_model_len,
-                contains=_shared_store_lookup(self.config, vllm_config),
-                privatizer=_privatizer(vllm_config, kv_cache_config),
+                contains=shared_store_lookup(self.config, vllm_config),
+                privatizer=prefix_privatizer(vllm_config, kv_cache_config),
                 engine=str(self._kv_transfer_config.engine_id),
                 release=self._release if self.config.share_kv_memory else None,
             )
@@ -220,82 +214,3 @@ class KMeshConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
-
-
-def _namespace(vllm_config: VllmConfig) -> Namespace:
-    mc = vllm_config.model_config
-    hf = mc.hf_config
-    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-    # The weights' fingerprint is part of the identity: new weights at the same path never read
-    # KV the old ones computed (what it catches: kmesh_blend/segments/fingerprint.py).
-    fingerprint = weights_fingerprint(_local_weights(mc))
-    if fingerprint.startswith("unverified:"):
-        log.warning("kmesh: weights of %s not found locally; segments keyed by name only", mc.model)
-    return make_namespace(
-        f"{mc.model}#{fingerprint}",
-        mc.dtype,
-        num_layers=mc.get_num_layers(vllm_config.parallel_config),
-        num_kv_heads=mc.get_total_num_kv_heads(),
-        head_dim=mc.get_head_size(),
-        rope=dict(rope),
-    )
-
-
-def _privatizer(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Privatizer | None:
-    """With prefix caching on: the checked mechanism that keeps blended blocks out of exact
-    prefix hits (refuses to start, naming the reason, when the check fails); else None."""
-    cache_config = vllm_config.cache_config
-    if not cache_config.enable_prefix_caching:
-        return None
-    privatizer = Privatizer(hash_block_size(vllm_config, kv_cache_config))
-    problem = check_prefix_caching(
-        vllm_config, kv_cache_config, Privatizer(privatizer.hash_block_size).privatize
-    )
-    if problem is not None:
-        raise ValueError(
-            f"KMeshConnector: blended KV must never be served as exact prefix KV, and the check "
-            f"of how this vLLM caches blocks failed ({problem}); start vLLM with prefix caching "
-            "off (enable_prefix_caching=False, --no-enable-prefix-caching)"
-        )
-    log.info("kmesh: prefix caching on; blended blocks get private hashes (check passed)")
-    return privatizer
-
-
-def _local_weights(model_config: ModelConfig) -> str:
-    """The local directory of the served weights (a hub id resolved in the local HF cache)."""
-    path = str(model_config.model)
-    if Path(path).exists():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return str(snapshot_download(path, revision=model_config.revision, local_files_only=True))
-    except Exception:
-        return path
-
-
-def _shared_store_lookup(
-    config: KMeshConfig, vllm_config: VllmConfig
-) -> Callable[[SegmentId], bool] | None:
-    """``contains(segment_id)`` for stores other engines can write (lm://, redis://), else None."""
-    if config.store_spec.kind not in ("lm", "redis"):
-        return None
-    from kmesh_blend.segments.master import MasterLayout
-    from kmesh_blend.segments.store import open_store
-
-    mc = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    # Rank 0's shard stands for the segment: a rank whose shard is missing fails its load and
-    # the request recomputes.
-    layout = MasterLayout(
-        mc.get_num_layers(parallel),
-        mc.get_num_kv_heads(parallel),
-        mc.get_head_size(),
-        str(mc.dtype).removeprefix("torch."),
-        rank=0,
-        world_size=parallel.tensor_parallel_size,
-    )
-    store = open_store(
-        config.store_spec, layout, cpu_bytes=64 << 20, timeout_s=config.store_timeout_s
-    )
-    return store.contains

@@ -46,6 +46,7 @@ class Report(TypedDict, total=False):
 
     reused_tokens: int
     recomputed_tokens: int
+    drift_shifted_rows: int
     storage_reads: int
     fallback: str | None
     prefix_cached_tokens: int

@@ -60,6 +60,19 @@ class PagedLayout:
         kv, vv = self.views(cache)
         return gather_paged(kv, slots, self.block_size), gather_paged(vv, slots, self.block_size)
 
+    def write_layers(
+        self, caches: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
+        slots: torch.Tensor, first: int,
+    ) -> None:  # fmt: skip
+        """Rows ``first..first+n`` of every layer's k / v [T, Hkv, D] at ``slots`` [n]."""
+        end = first + slots.numel()
+        for cache, k, v in zip(caches, keys, values, strict=True):
+            self.write(cache, k[first:end], v[first:end], slots.to(cache.device))
+
+    def read_layers(self, caches: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        """Every layer's rows at ``slots`` [n]: [L, 2, n, Hkv, D] in the cache dtype."""
+        return torch.stack([torch.stack(self.read(cache, slots)) for cache in caches])
+
     @classmethod
     def discover(
         cls,

@@ -15,8 +15,8 @@ __all__ = ["REASON_CHARS", "count", "merge", "resumed", "short"]
 
 REASON_CHARS = 200  # a reason echoes at most this much of the bad input
 # Fields that count work: a request preempted and prefilled again adds both prefills'.
-_ADDITIVE = ("reused_tokens", "recomputed_tokens", "storage_reads", "load_ms", "cascade_steps",
-             "restored_tokens", "kept_bytes")  # fmt: skip
+_ADDITIVE = ("reused_tokens", "recomputed_tokens", "drift_shifted_rows", "storage_reads", "load_ms",
+             "cascade_steps", "restored_tokens", "kept_bytes")  # fmt: skip
 
 
 def short(reason: str) -> str:
@@ -65,6 +65,7 @@ def count(reports: list[Report]) -> dict[str, int]:
     for report in reports:
         add("reused_tokens", report.get("reused_tokens"))
         add("recomputed_tokens", report.get("recomputed_tokens"))
+        add("drift_shifted_rows", report.get("drift_shifted_rows"))
         add("storage_reads", report.get("storage_reads"))
         add("prefix_cached_tokens", report.get("prefix_cached_tokens"))
         add("released_blocks", report.get("released_blocks"))

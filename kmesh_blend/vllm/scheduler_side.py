@@ -14,10 +14,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from kmesh_blend.config import KMeshConfig
-from kmesh_blend.segments.annotation import Annotation, parse_request
+from kmesh_blend.segments.annotation import parse_request
 from kmesh_blend.segments.identity import Namespace, SegmentId, segment_ids
 from kmesh_blend.vllm.meta import (
-    VLLM_TAIL,
     KMeshMetadata,
     KMeshWorkerMetadata,
     Report,
@@ -28,9 +27,10 @@ from kmesh_blend.vllm.prefix_cache import Privatizer
 from kmesh_blend.vllm.reports import count, merge, resumed, short
 from kmesh_blend.vllm.rounds import RoundClocks, family_key, scope_of
 from kmesh_blend.vllm.scheduler_plan import Plan
+from kmesh_blend.vllm.scheduler_reuse import plan_reuse
 from kmesh_blend.vllm.scheduler_segments import SegmentRegistry
 from kmesh_blend.vllm.stats import Payload
-from kmesh_blend.vllm.turn_registry import HEAD, TurnRegistry
+from kmesh_blend.vllm.turn_registry import TurnRegistry
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
@@ -154,7 +154,16 @@ class SchedulerSide:
             plan.report["prefix_cached_tokens"] = num_computed_tokens
         self.plans[request.request_id] = plan
         skip = bool(getattr(request, "skip_reading_prefix_cache", False))
-        matched = self._plan_reuse(parsed.annotation, namespace, plan, num_computed_tokens, skip)
+        matched = plan_reuse(
+            plan,
+            parsed.annotation,
+            namespace,
+            num_computed_tokens,
+            skip,
+            self.turns,
+            self.segments,
+            self.config.round_lifetime,
+        )
         if matched and self.privatizer is not None:
             self.privatizer.privatize(request, num_computed_tokens)
         return matched
@@ -164,45 +173,6 @@ class SchedulerSide:
         self.plans[req_id] = plan = Plan(tokens, [])
         plan.report["fallback"] = reason
         log.warning("kmesh: request %s runs without reuse: %s", req_id, reason)
-
-    def _plan_reuse(
-        self, annotation: Annotation, namespace: Namespace, plan: Plan, num_computed: int,
-        skip_reading: bool,
-    ) -> int:  # fmt: skip
-        """Fill ``plan``'s loads, saves and turn; the tokens the worker will provide.
-        ``skip_reading``: vLLM takes no KV for this request (it asked for prompt_logprobs)."""
-        tokens, refs, num_computed_tokens = plan.token_ids, plan.segments, num_computed
-        if skip_reading:
-            plan.saves = list(refs)  # it computes them exactly: they are stored as usual
-            plan.report["fallback"] = (
-                "prompt_logprobs requested: vLLM computes every prompt token itself"
-            )
-            return 0
-        turn = self.turns.find(namespace, tokens, refs) if num_computed_tokens == 0 else None
-        if turn is not None:  # the request continues: restore its earlier prompt's KV
-            plan.turn = turn
-            plan.saves = [r for r in refs if r.start >= turn[1]]  # new segments: stored after
-            plan.report["restored_tokens"] = turn[1]
-            return turn[1]
-        # A segment inside the exact prefix vLLM found in its cache needs no load.
-        problems: list[str] = []
-        plan.loads = [
-            r
-            for r in refs
-            if r.end > num_computed_tokens and self.segments.loadable(r.segment_id, problems)
-        ]
-        plan.saves = [r for r in refs if r not in plan.loads]
-        if not plan.loads and problems:  # the store did not answer: it says which and why
-            plan.report["fallback"] = short(problems[0])
-            return 0
-        if not plan.loads:
-            plan.report["fallback"] = self.segments.why_not_stored(refs, self.config.round_lifetime)
-            return 0
-        if len(tokens) - VLLM_TAIL <= num_computed_tokens:
-            return 0
-        if annotation.keep and len(tokens) >= HEAD:
-            plan.keep = self.turns.keep(namespace, tokens, refs)
-        return len(tokens) - VLLM_TAIL - num_computed_tokens
 
     def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
         if (plan := self.plans.get(req_id)) is not None and num_external_tokens > 0:

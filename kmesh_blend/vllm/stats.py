@@ -35,6 +35,7 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "requests": ("Annotated requests, by outcome (reused, fallback, no_reuse)", "outcome"),
     "reused_tokens": ("Prompt tokens whose KV came from stored segments", None),
     "recomputed_tokens": ("Reused tokens recomputed by selective recomputation", None),
+    "drift_shifted_rows": ("Stale reused rows shifted by drift correction (last layer)", None),
     "storage_reads": ("Reads from the store's backing tier, per request report", None),
     "prefix_cached_tokens": ("Leading tokens of annotated requests from vLLM's prefix cache", None),
     "released_blocks": ("KV blocks readers gave back to vLLM's pool (kmesh.share_kv_memory)", None),

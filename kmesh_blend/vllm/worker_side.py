@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kmesh_blend.blend import BlendOptions, BlendRequest, BlendResult
+from kmesh_blend.blend import BlendOptions, BlendRequest
 from kmesh_blend.config import KMeshConfig
 from kmesh_blend.mirror.lifecycle import MirrorStore
 from kmesh_blend.segments.cache import SegmentCache
@@ -95,7 +95,7 @@ class WorkerSide:
             retention_bytes=config.retention_bytes, timeout_s=config.singleflight_timeout_s,
         )  # fmt: skip
         self.lifetimes = Lifetimes(self.cache)
-        self.stats = WorkerStats(self.cache, self.store, self._held)
+        self.stats = WorkerStats(self.cache, self.store)
         self.mirrors = MirrorStore(self.cache, compress=config.compress_mirrors)
         self.options = BlendOptions.from_config(config)
         self.attn_layers = layers
@@ -134,6 +134,7 @@ class WorkerSide:
             heads = Heads(shape.num_heads, shape.num_kv_heads, shape.head_dim)
             kv = EngineKV(layers, self.kv_caches, self.paged, self.rope, heads)
             self.cascade, self.cascade_off = install_cascade(kv, self.batch_ids)
+            self.stats.held = self.cascade.held_bytes if self.cascade is not None else None
             if self.cascade is not None and self.config.share_kv_memory:
                 self.cascade.share(self.world_size, self.config.share_kv_host_bytes)
 
@@ -206,14 +207,6 @@ class WorkerSide:
     def take_stats(self) -> Payload | None:
         return self.stats.take()
 
-    def _held(self) -> dict[str, int]:
-        """KV held next to vLLM's budget by the cascade path (gauges, bytes)."""
-        if self.cascade is None:
-            return {}
-        return {"shared_master_bytes": self.cascade.master_bytes,
-                "mirror_bytes": self.cascade.sharing.mirror_bytes
-                if self.cascade.sharing is not None else 0}  # fmt: skip
-
     def close(self) -> None:
         self.tails.close()
         self.store.close()
@@ -240,14 +233,15 @@ class WorkerSide:
             results = blend_groups(self.model, ready, masters, self.options, hooks)
             for (load, _), result, hook in zip(ready, results, hooks, strict=True):
                 slots, n = load.slots(self.block_size), len(load.token_ids)
-                if hook is None:
-                    self._write(slots[load.first : n - VLLM_TAIL], result, load.first)
+                if hook is None and self.paged is not None:
+                    rows = slots[load.first : n - VLLM_TAIL]
+                    self.paged.write_layers(self.kv_caches, result.keys, result.values, rows,
+                                            load.first)  # fmt: skip
                 final = self.model.final_norm(result.last_state)[0]
                 self.tails.keep(load.req_id, slots[n - VLLM_TAIL :], n - VLLM_TAIL, result.keys,
                                 result.values, final)  # fmt: skip
                 report = self.out.reports.setdefault(load.req_id, {})
-                report["reused_tokens"] = int(result.num_reused)
-                report["recomputed_tokens"] = int(result.num_recomputed)
+                report.update(result.report_fields())  # type: ignore[typeddict-item]
                 self._decode_plan(load, masters, report)
         except Exception as exc:  # never serve doubtful KV: the whole group recomputes
             # The traceback as text: a record holding the exception would keep the engine's
@@ -267,18 +261,10 @@ class WorkerSide:
                 for r in load.segments if r.segment_id in masters]  # fmt: skip
         self.cascade.add(load.req_id, load.block_ids, load.slots(self.block_size), uses, load.first)
 
-    def _write(self, slots: torch.Tensor, result: BlendResult, first: int) -> None:
-        """Rows first.. of the blend's KV at ``slots`` (vLLM computes the last tokens itself)."""
-        assert self.paged is not None
-        end = first + slots.numel()
-        for cache, k, v in zip(self.kv_caches, result.keys, result.values, strict=True):
-            self.paged.write(cache, k[first:end], v[first:end], slots.to(cache.device))
-
     def _prompt_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """KV at ``slots`` [n] read back from the paged cache: [L, 2, n, Hkv, D]."""
         assert self.paged is not None
-        rows = [self.paged.read(cache, slots) for cache in self.kv_caches]
-        return torch.stack([torch.stack(kv) for kv in rows])
+        return self.paged.read_layers(self.kv_caches, slots)
 
     def _prefix_kv(self, load: LoadRequest) -> Callable[[int], torch.Tensor]:
         return lambda first: self._prompt_kv(load.slots(self.block_size)[:first])

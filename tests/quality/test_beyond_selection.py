@@ -1,6 +1,7 @@
 """`bench/beyond_selection.py`'s variants: its ``drift auto`` is the shipped path bit for bit, the
-oracle shift is the least-squares segment-wide shift, and the adaptive budget grows with its
-mass."""
+oracle shifts (per segment, per run of positions) lower the stale rows' error, the adaptive
+budget grows with its mass, a per-layer budget computes fewer rows late than early, the
+query-aware ranking changes the choice, and a chained master holds the previous blend's rows."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from kmesh_blend.blend import BlendOptions, blend_group
 from kmesh_blend.blend.drift import DriftCorrection
+from kmesh_blend.blend.plan import keep_count
 from kmesh_blend.models import ReferenceModel, prefill
 from kmesh_blend.quality.chat_harness import masters
 from kmesh_blend.testing.quality import quality_model_dir
@@ -39,8 +41,8 @@ def test_variants(model: ReferenceModel, bench: Any) -> None:
     stale = blend_group(model, [request], source, BlendOptions(recompute_ratio=0.0))[0]
     options = BlendOptions(recompute_ratio=0.15, check_layers=(1,))
 
-    def run(drift: Any = None, mass: float | None = None) -> Any:
-        return bench.run_on_stale(bench._Variant(model, request, options, drift, mass), stale)
+    def run(drift: Any = None, mass: float | None = None, **kw: Any) -> Any:
+        return bench.run_on_stale(bench.Variant(model, request, options, drift, mass, **kw), stale)
 
     on = BlendOptions(recompute_ratio=0.15, drift_correction="auto")
     shipped = blend_group(model, [request], source, on)[0]
@@ -51,12 +53,49 @@ def test_variants(model: ReferenceModel, bench: Any) -> None:
     done = prefill(model, request.token_ids, last_only=True)
     full = list(zip(done.keys, done.values, strict=True))
     plain = run()
-    oracle = run(lambda *a: bench._OracleShift(full, *a))
-    assert torch.equal(oracle.recomputed, plain.recomputed)  # one check layer: the same choice
     before = bench._stale_error(plain, full, request.reused_mask)
-    after = bench._stale_error(oracle, full, request.reused_mask)
-    assert after[0] < before[0] and after[1] < before[1], (before, after)
+    for bins in (None, 8):
+        oracle = run(lambda *a, b=bins: bench.OracleShift(full, b, *a))
+        assert torch.equal(oracle.recomputed, plain.recomputed)  # one check layer: same choice
+        after = bench._stale_error(oracle, full, request.reused_mask)
+        assert after[0] < before[0] and after[1] < before[1], (bins, before, after)
+    assert bench._stale_error(run_all(model, request, source), full, request.reused_mask) is None
 
     small, large = run(mass=0.5), run(mass=0.95)
     assert plain.num_recomputed <= small.num_recomputed <= large.num_recomputed
     assert large.num_recomputed > plain.num_recomputed
+
+
+def run_all(model: ReferenceModel, request: Any, source: Any) -> Any:
+    return blend_group(model, [request], source, BlendOptions(recompute_ratio=1.0))[0]
+
+
+def test_budgets_rankings_and_chains(model: ReferenceModel, bench: Any) -> None:
+    task = _random_task(model.shape.vocab_size, 1)
+    source = masters(model, task)
+    request = task.requests[0].blend_request()
+    stale = blend_group(model, [request], source, BlendOptions(recompute_ratio=0.0))[0]
+    last = model.shape.num_layers - 1
+    options = BlendOptions(recompute_ratio=0.15, check_layers=(1,))
+
+    def run(**kw: Any) -> Any:
+        blend = bench.Variant(model, request, options, **kw)
+        return blend, bench.run_on_stale(blend, stale)
+
+    flat, flat_res = run()
+    front, front_res = run(later={last: 0.05})
+    reused = int(request.reused_mask.sum())
+    assert flat_res.num_recomputed == keep_count(0.15, reused)
+    assert front_res.num_recomputed == keep_count(0.05, reused)
+    assert front.token_layers < flat.token_layers
+
+    _, query_res = run(query=True)
+    assert not torch.equal(query_res.recomputed, flat_res.recomputed)
+    assert query_res.num_recomputed == flat_res.num_recomputed
+
+    chained = bench._chained(flat_res, request)
+    for use in request.uses:
+        keys, values, positions = chained.segments[use.segment_id]
+        assert torch.equal(positions, torch.arange(use.start, use.end))
+        assert torch.equal(keys[last], flat_res.keys[last][use.start : use.end])
+        assert torch.equal(values[0], flat_res.values[0][use.start : use.end])

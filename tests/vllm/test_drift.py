@@ -1,5 +1,6 @@
 """Drift correction in the served path, on the real SmolLM2 (fp32): it moves the rows a blend
-leaves stale toward the full prefill's, and ratio 1.0 stays bit-exact with it on.
+leaves stale toward the full prefill's, ratio 1.0 stays bit-exact with it on, and the report
+says how many stale rows it shifted.
 
 One engine serves every run; each follow-up carries its own ``drift_correction`` (and ratio), so
 both settings see the same stored masters. Prompt KV is read back from vLLM's paged cache after
@@ -43,6 +44,7 @@ def test_drift_correction_moves_stale_rows_toward_the_full_prefill() -> None:
                    kv_transfer_config=kv_transfer_config(
                        store="cpu", recompute_ratio=0.15, check_layers="1,2,3"))  # fmt: skip
     captured: list[torch.Tensor] = []
+    reports: list[dict[str, Any]] = []
     live_worker().hooks.capture = lambda _req, kv: captured.append(kv.clone())
 
     def serve(llm: Any, prompt: Any, **setting: Any) -> Served:
@@ -56,6 +58,7 @@ def test_drift_correction_moves_stale_rows_toward_the_full_prefill() -> None:
         comp = out.outputs[0]
         report = out.kv_transfer_params["kmesh"]
         assert report.get("fallback") is None, report
+        reports.append(report)
         logprobs = [float(lp[t].logprob) for t, lp in zip(comp.token_ids, comp.logprobs,
                                                           strict=True)]  # fmt: skip
         return list(comp.token_ids), logprobs, captured.pop() if captured else None
@@ -69,11 +72,18 @@ def test_drift_correction_moves_stale_rows_toward_the_full_prefill() -> None:
             exact = serve(llm, prompt, recompute_ratio=1.0, drift_correction="auto")
             assert exact[0] == full_tokens and exact[1] == full_lp  # ratio 1.0: every bit
             assert full is not None and exact[2] is not None and torch.equal(exact[2], full)
+            assert "drift_shifted_rows" not in reports[-1]  # no check layer ran: nothing to do
             rows = torch.cat([torch.arange(s, e) for s, e, _ in prompt.spans])
             for setting in errors:
                 *_, kv = serve(llm, prompt, drift_correction=setting)
                 assert kv is not None
                 errors[setting].append(_error(kv, full, rows))
+                report = reports[-1]
+                stale = report["reused_tokens"] - report["recomputed_tokens"]
+                if setting == "off":
+                    assert "drift_shifted_rows" not in report, report
+                else:  # every stale row of a segment with a measured share, at most all of them
+                    assert 0 < report["drift_shifted_rows"] <= stale, report
     finally:
         del llm
         gc.collect()
