@@ -71,14 +71,16 @@ class _QuerySpy:
 
 class Variant(RequestBlend):
     """A request blend with a drift variant (``drift``), an adaptive budget (``mass``), a
-    per-layer budget (``later``: {check layer after the usual ones: kept share}) or a
-    query-aware ranking (``query``). ``token_layers`` counts reused rows computed, summed over
+    per-layer budget (``later``: {check layer after the usual ones: kept share}), a
+    query-aware ranking (``query``) or the stale keys scaled by ``key_scale`` (attention
+    temperature, APE). ``token_layers`` counts reused rows computed, summed over
     layers (the work a budget buys)."""
 
     def __init__(self, model: Any, request: BlendRequest, options: BlendOptions,
                  drift: Any = None, mass: float | None = None,
-                 later: dict[int, float] | None = None, query: bool = False) -> None:  # fmt: skip
-        self.later = later or {}
+                 later: dict[int, float] | None = None, query: bool = False,
+                 key_scale: float | None = None) -> None:  # fmt: skip
+        self.later, self.key_scale = later or {}, key_scale
         if self.later:
             options = BlendOptions(recompute_ratio=options.recompute_ratio,
                                    check_layers=options.check_layers + tuple(self.later),
@@ -96,6 +98,11 @@ class Variant(RequestBlend):
             self.drift.layer = layer
         inp = super().begin(layer, stored_k, stored_v)
         self.token_layers += int(self.reused[self.computed].sum())
+        if self.key_scale is not None and not self.computes_everything:
+            # APE-style temperature on the stale rows: q·(s k) = s (q·k), in every later read too
+            stale = self.reused.clone()
+            stale[self.computed] = False
+            inp.layer_k[stale] *= self.key_scale
         return inp
 
     def _check_plan(self, own: torch.Tensor, per_segment: bool) -> dict[int, list[tuple]]:

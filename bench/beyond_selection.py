@@ -21,6 +21,8 @@ blend's `VllmModel`, check layers 1–3). Every variant runs through the same ex
   0.15's (``rows × layers`` printed);
 - ``query-aware``: the check layers' deviation weighted by the attention the question (the
   prompt's text after its last segment) pays each row there;
+- ``stale keys × s``: attention scaling (APE's temperature) — the stale rows' keys multiplied
+  by s in every layer, so every query's logits over them are scaled by s;
 - ``anchored masters``: each document's master computed after one fixed anchor (the chat
   template's header with a fixed system prompt) instead of after its reader's own text;
 - ``chained masters``: each follow-up of a family blends from the previous follow-up's blended
@@ -60,6 +62,7 @@ MASSES = (0.7, 0.85)
 LATER = {"layers 0.20 then 0.10": (0.20, {16: 0.10}),
          "layers 0.25 then 0.05": (0.25, {16: 0.05})}  # fmt: skip
 ANCHOR_SYSTEM = "You are a helpful assistant."
+KEY_SCALES = (0.9, 1.1)  # attention temperature on stale rows, both directions
 
 
 def _stale_error(res: Any, full: list[tuple[torch.Tensor, torch.Tensor]],
@@ -79,7 +82,8 @@ def _stale_error(res: Any, full: list[tuple[torch.Tensor, torch.Tensor]],
 def _variants() -> dict[str, dict[str, Any]]:
     """Name → what differs from the deviation rule at ratio 0.15: ``ratio``, ``drift`` (a
     `DriftCorrection` class, "oracle" or "oracle by position"), ``mass`` (adaptive budget),
-    ``later`` (per-layer budget), ``query`` (query-aware ranking), ``source`` (where the stale
+    ``later`` (per-layer budget), ``query`` (query-aware ranking), ``key_scale`` (stale keys
+    scaled), ``source`` (where the stale
     rows come from: "reader" masters, "anchor" masters, or "chain" / "chain after full": the
     family's previous follow-up's blended rows, the first follow-up blending at ``ratio`` or
     computing everything)."""
@@ -98,6 +102,7 @@ def _variants() -> dict[str, dict[str, Any]]:
         },
         "query-aware": {"query": True},
         "query-aware + drift": {"query": True, **auto},
+        **{f"stale keys × {k} + drift": {"key_scale": k, **auto} for k in KEY_SCALES},
         "anchored masters + drift": {"source": "anchor", **auto},
         "chained masters + drift": {"source": "chain", **auto},
         "chained after full + drift": {"source": "chain after full", **auto},
@@ -173,7 +178,8 @@ def main() -> None:
                     if id(source) not in stale_of:
                         stale_of[id(source)] = blend_group(model, [request], source, plain)[0]
                     blend = Variant(model, request, options, drift, spec.get("mass"),
-                                    spec.get("later"), spec.get("query", False))  # fmt: skip
+                                    spec.get("later"), spec.get("query", False),
+                                    spec.get("key_scale"))  # fmt: skip
                     res = run_on_stale(blend, stale_of[id(source)])
                     if "chain" in kind:
                         chains[name] = _chained(res, request)

@@ -1,7 +1,7 @@
 """`bench/beyond_selection.py`'s variants: its ``drift auto`` is the shipped path bit for bit, the
 oracle shifts (per segment, per run of positions) lower the stale rows' error, the adaptive
 budget grows with its mass, a per-layer budget computes fewer rows late than early, the
-query-aware ranking changes the choice, and a chained master holds the previous blend's rows."""
+query-aware ranking changes the choice, a key scale scales the stale keys, and a chained master holds the previous blend's rows."""
 
 from __future__ import annotations
 
@@ -92,6 +92,12 @@ def test_budgets_rankings_and_chains(model: ReferenceModel, bench: Any) -> None:
     _, query_res = run(query=True)
     assert not torch.equal(query_res.recomputed, flat_res.recomputed)
     assert query_res.num_recomputed == flat_res.num_recomputed
+
+    _, scaled = run(key_scale=0.5)
+    stale_rows = request.reused_mask & ~scaled.recomputed
+    assert bool(stale_rows.any())
+    assert torch.allclose(scaled.keys[last][stale_rows], 0.5 * stale.keys[last][stale_rows])
+    assert torch.allclose(scaled.values[last][stale_rows], stale.values[last][stale_rows])
 
     chained = bench._chained(flat_res, request)
     for use in request.uses:
