@@ -137,9 +137,9 @@ def test_prefix_caching_properties_real_model(lm_server: str) -> None:
 
 
 def test_a_failed_mechanism_check_refuses_prefix_caching(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kmesh_blend.vllm.connector as connector
+    import kmesh_blend.vllm.startup as startup
 
-    monkeypatch.setattr(connector, "check_prefix_caching", lambda *a: "simulated: 2 groups")
+    monkeypatch.setattr(startup, "check_prefix_caching", lambda *a: "simulated: 2 groups")
     with pytest.raises(Exception, match=r"prefix caching.*simulated: 2 groups|simulated"):
         make_llm(build_checkpoint(TINY_LLAMA), kv_transfer_config=kv_transfer_config(),
                  enable_prefix_caching=True)  # fmt: skip
