@@ -1,7 +1,8 @@
 """`bench/beyond_selection.py`'s variants: its ``drift auto`` is the shipped path bit for bit, the
 oracle shifts (per segment, per run of positions) lower the stale rows' error, the adaptive
 budget grows with its mass, a per-layer budget computes fewer rows late than early, the
-query-aware ranking changes the choice, a key scale scales the stale keys, and a chained master holds the previous blend's rows."""
+query-aware ranking changes the choice, a key scale scales the stale keys, and a chained master
+holds the previous blend's rows."""
 
 from __future__ import annotations
 
