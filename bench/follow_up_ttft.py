@@ -39,9 +39,12 @@ performance (``--allocator system`` for glibc's malloc; config.allocator says wh
 
 ``--drift-correction``: the KMesh engine's ``kmesh.drift_correction`` (default ``auto``, the
 engine's default); ``off`` measures the blend without it, and the result name gets ``_nodrift``.
+``--recompute-ratio R``: the KMesh engine's ``kmesh.recompute_ratio`` (default 0.15, the
+issue's anchor); any other value adds ``_r<R>`` to the result name (the frontier's TTFT side at
+the ratios `bench/quality.py` measures).
 
 Run: python bench/follow_up_ttft.py [--quick] [--model bench|smollm2] [--workload families|mixed]
-     [--drift-correction auto|off]
+     [--drift-correction auto|off] [--recompute-ratio R]
      [--allocator tcmalloc|system]
 """
 
@@ -271,6 +274,8 @@ def main() -> None:
     )
     parser.add_argument("--drift-correction", default="auto", choices=["auto", "off"],
                         help="the KMesh engine's kmesh.drift_correction")  # fmt: skip
+    parser.add_argument("--recompute-ratio", type=float, default=RATIO,
+                        help=f"kmesh.recompute_ratio (default {RATIO})")  # fmt: skip
     args = parser.parse_args()
     allocator = use_allocator(args.allocator)
     doc_len = 512 if args.quick else 2048
@@ -288,6 +293,11 @@ def main() -> None:
         )
     if args.drift_correction == "off":
         work = work._replace(name=f"{work.name}_nodrift")
+    ratio = args.recompute_ratio
+    if not 0.0 <= ratio <= 1.0:
+        parser.error(f"--recompute-ratio must be in [0, 1], got {ratio}")
+    if ratio != RATIO:
+        work = work._replace(name=f"{work.name}_r{ratio:g}")
 
     def ttft(llm: Any, ids: list[int], spans: list[list[int]] | None) -> tuple[float, Any]:
         extra = {"kv_transfer_params": {"kmesh": {"segments": spans}}} if spans else None
@@ -328,7 +338,7 @@ def main() -> None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "kmesh.store": "cpu",
-                "kmesh.recompute_ratio": RATIO,
+                "kmesh.recompute_ratio": ratio,
                 "kmesh.drift_correction": args.drift_correction,
             },
         },
@@ -358,7 +368,7 @@ def main() -> None:
     overhead = med["kmesh_plain"] / med["stock_plain"] - 1.0
     print(f"follow-up of {work.tokens} tokens, {rounds} rounds (medians):")
     print(f"  stock vLLM (prefix caching on): {med['stock']:.3f} s")
-    print(f"  KMesh reuse at ratio {RATIO}:     {med['kmesh']:.3f} s  = {value:.3f}x of stock")
+    print(f"  KMesh reuse at ratio {ratio}:     {med['kmesh']:.3f} s  = {value:.3f}x of stock")
     print(f"  vs unannotated requests on the same engine (interleaved): {same_engine:.3f}x")
     print(f"  reports: {reports}")
     print(f"  unannotated: stock {med['stock_plain']:.3f} s, KMesh engine "
@@ -388,7 +398,7 @@ def main() -> None:
                 "allocator": allocator,
                 "document": doc_len,
                 "tokens": work.tokens,
-                "recompute_ratio": RATIO,
+                "recompute_ratio": ratio,
                 "drift_correction": args.drift_correction,
                 "seconds_median": {k: round(v, 4) for k, v in med.items()},
                 "kmesh_vs_unannotated_same_engine": round(same_engine, 4),

@@ -35,6 +35,11 @@ VARIANTS = {
         "follow_up_ttft.py",
         ["--model", "smollm2", "--workload", "mixed"],
     ),
+    # the TTFT side of the quality frontier at ratio 0.5, where drift correction reaches bf16's
+    "follow_up_ttft_smollm2_r0.5": (
+        "follow_up_ttft.py",
+        ["--model", "smollm2", "--recompute-ratio", "0.5"],
+    ),
 }
 
 
