@@ -17,6 +17,8 @@ stale rows' squared error it removes (keys, values; summed over later layers and
   the best any shift shared by the rows can do;
 - ``drift share``: the recomputed rows' mean scaled by the share α the stale rows had of it at
   the check layer (what ``kmesh.drift_correction: auto`` estimates);
+- ``other tasks' mean shift``: the mean deviation of every reused row of the *other* tasks (leave
+  one task out), per layer and head — a shift that belongs to the model, not the prompt;
 - ``per-token map, own rows λ``: a ridge map (feature → target, per layer and head) fit on the
   follow-up's own recomputed rows;
 - ``per-token map, other tasks λ``: the same map fit on every reused row of the *other* tasks
@@ -138,6 +140,10 @@ def removed_shares(data: list[list[dict[str, Any]]]) -> dict[str, list[float]]:
                     add("oracle segment mean", kv, target, target.mean(0))
                     alpha = drift_share(check[kept], check[stale])
                     add("drift share", kv, target, alpha * y[kept].mean(0))
+                    # the other tasks' mean deviation: a shift per layer and head of the model
+                    means = [others[(layer, kv, h)] for h in range(heads)]
+                    shift = torch.stack([b[-1] / a[-1, -1] for a, b in means])
+                    add("other tasks' mean shift", kv, target, shift.expand_as(target))
                     for lam in LAMBDAS:
                         maps = {"own rows": [], "other tasks": [], "in-sample": []}
                         for h in range(heads):

@@ -64,6 +64,8 @@ def test_a_map_shared_by_tasks_is_learnt_from_the_others(bench: Any) -> None:
     # a shared shift only removes the mean: here a small part of the error
     assert 0.0 < shares["oracle segment mean"][0] < 0.5
     assert shares["drift share"][0] <= shares["oracle segment mean"][0] + 1e-6
+    # every task shares the offset 0.5: the other tasks' mean finds it
+    assert 0.0 < shares["other tasks' mean shift"][0] <= shares["oracle segment mean"][0] + 1e-6
 
 
 def test_collected_rows_are_the_deviations_from_the_masters(bench: Any) -> None:
