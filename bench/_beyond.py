@@ -54,6 +54,43 @@ class OracleShift(DriftCorrection):
                 layer_v[stale] += (full_v[stale] - layer_v[stale]).float().mean(0).to(layer_v.dtype)
 
 
+class CalibratedMap(DriftCorrection):
+    """Stale rows shifted by a model-level per-token map (`drift_predictability.calibrated_maps`:
+    {layer: (K map, V map), each [Hkv, 2·D + 1, D]}) of each row's own deviation at the first
+    check layer, where every candidate row is fresh (keys unrotated, then values, per head)."""
+
+    def __init__(self, maps: dict[int, tuple[torch.Tensor, torch.Tensor]], *args: Any) -> None:
+        super().__init__(*args)
+        self.maps, self.layer, self.feat = maps, -1, None
+
+    def calibrate(self, computed: Any, fresh_k: Any, fresh_v: Any, stored_k: Any, stored_v: Any,
+                  keep: Any) -> None:  # fmt: skip
+        if self.feat is None:
+            dk, dv = self._deltas(computed, fresh_k, fresh_v, stored_k, stored_v)
+            heads, dim = dk.shape[1], dk.shape[2]
+            self.feat = torch.zeros(self.own.numel(), heads, 2 * dim)
+            self.feat[computed] = torch.cat([dk, dv], -1)
+            self.known = torch.zeros_like(self.own)
+            self.known[computed] = True
+
+    def apply(self, computed: Any, fresh_k: Any, fresh_v: Any, stored_k: Any, stored_v: Any,
+              layer_k: torch.Tensor, layer_v: torch.Tensor) -> None:  # fmt: skip
+        self.last_rows = 0
+        if self.feat is None or self.layer not in self.maps:
+            return
+        stale = self.own & self.known
+        stale[computed] = False
+        rows = stale.nonzero().squeeze(1)
+        x = self.feat[rows]
+        wk, wv = self.maps[self.layer]
+        dk = torch.einsum("mhf,hfo->mho", x, wk[:, :-1]) + wk[:, -1]
+        dv = torch.einsum("mhf,hfo->mho", x, wv[:, :-1]) + wv[:, -1]
+        layer_k[rows] += self.rope.apply(dk, self.positions[rows]).to(layer_k.dtype)
+        layer_v[rows] += dv.to(layer_v.dtype)
+        self.last_rows = rows.numel()
+        self.shifted_rows += rows.numel()
+
+
 class _QuerySpy:
     """The model, remembering the last rotated queries (for the query-aware ranking)."""
 
@@ -94,7 +131,7 @@ class Variant(RequestBlend):
         self.question = self.positions >= max(ends)  # the prompt's own text after the segments
 
     def begin(self, layer: int, stored_k: Any, stored_v: Any) -> Any:
-        if isinstance(self.drift, OracleShift):
+        if isinstance(self.drift, (OracleShift, CalibratedMap)):
             self.drift.layer = layer
         inp = super().begin(layer, stored_k, stored_v)
         self.token_layers += int(self.reused[self.computed].sum())

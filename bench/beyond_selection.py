@@ -19,6 +19,9 @@ blend's `VllmModel`, check layers 1–3). Every variant runs through the same ex
 - ``layers a then b``: per-layer budgets — a share ``a`` kept through layer 15 and ``b`` from
   layer 16 (a further check layer), the reused rows computed over all layers the same as ratio
   0.15's (``rows × layers`` printed);
+- ``calibrated map``: stale rows shifted by a model-level per-token map of their own deviation at
+  the first check layer, fit on the other tasks' full prefills (`bench/drift_predictability.py`,
+  leave one task out); ``calibrated mean shift``: those tasks' mean deviation per layer and head;
 - ``query-aware``: the check layers' deviation weighted by the attention the question (the
   prompt's text after its last segment) pays each row there;
 - ``stale keys × s``: attention scaling (APE's temperature) — the stale rows' keys multiplied
@@ -48,7 +51,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _beyond import FIXED_ALPHA, POSITION_BIN, FixedShare, OracleShift, Variant
+from _beyond import FIXED_ALPHA, POSITION_BIN, CalibratedMap, FixedShare, OracleShift, Variant
 from _stale_rows import run_on_stale, smollm2_tasks
 
 from kmesh_blend.blend import BlendOptions, DenseSegmentSource, SegmentKV, blend_group
@@ -100,6 +103,8 @@ def _variants() -> dict[str, dict[str, Any]]:
             f"{name} + drift": {"ratio": r, "later": later, **auto}
             for name, (r, later) in LATER.items()
         },
+        "calibrated map": {"drift": "calibrated"},
+        "calibrated mean shift": {"drift": "calibrated mean"},
         "query-aware": {"query": True},
         "query-aware + drift": {"query": True, **auto},
         **{f"stale keys × {k} + drift": {"key_scale": k, **auto} for k in KEY_SCALES},
@@ -109,6 +114,19 @@ def _variants() -> dict[str, dict[str, Any]]:
         "deviation 0.3": {"ratio": 0.3},
         "deviation 0.5": {"ratio": 0.5},
     }
+
+
+def _calibration(model: Any, tasks: list[Any], variants: dict[str, Any]) -> dict[str, list[Any]]:
+    """ "calibrated" / "calibrated mean" → per task, the maps fit on the other tasks."""
+    if not any(str(v.get("drift", "")).startswith("calibrated") for v in variants.values()):
+        return {}
+    from drift_predictability import calibrated_maps, collect, task_moments
+    from quality import SMOLLM2_CHECKS  # CalibratedMap's features come from the first one
+
+    per_task = task_moments(collect(model, tasks, SMOLLM2_CHECKS[0]))
+    return {"calibrated": [calibrated_maps(per_task, j) for j in range(len(tasks))],
+            "calibrated mean": [calibrated_maps(per_task, j, mean_only=True)
+                                for j in range(len(tasks))]}  # fmt: skip
 
 
 def _anchored(model: Any, tokenizer: Any, task: Any) -> DenseSegmentSource:
@@ -134,6 +152,8 @@ def _chained(result: Any, request: Any) -> DenseSegmentSource:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 tasks instead of 8")
+    parser.add_argument("--only", default="", help="comma-separated variants to run (and the "
+                        "first two, the baselines); all by default")  # fmt: skip
     args = parser.parse_args()
     from _common import emit
     from quality import SMOLLM2_CHECKS
@@ -146,6 +166,12 @@ def main() -> None:
     began = time.perf_counter()
     tokenizer, tasks, llm, model = smollm2_tasks(args.quick, SMOLLM2_CHECKS)
     variants = _variants()
+    if args.only:
+        chosen = {name.strip() for name in args.only.split(",")}
+        unknown = chosen - set(variants)
+        if unknown:
+            parser.error(f"unknown variants {sorted(unknown)}; known: {list(variants)}")
+        variants = {n: v for i, (n, v) in enumerate(variants.items()) if i < 2 or n in chosen}
     parts: dict[str, list[Any]] = {name: [] for name in variants}
     errors: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     shares: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
@@ -155,6 +181,7 @@ def main() -> None:
         stop = (int(tokenizer.eos_token_id),)
         refs = references(model, tasks, ANSWER_TOKENS, None, stop)
         plain = BlendOptions(recompute_ratio=0.0, check_layers=(1,))
+        calibration = _calibration(model, tasks, variants)
         for j, (task, task_refs) in enumerate(zip(tasks, refs, strict=True)):
             sources = {"reader": masters(model, task), "anchor": _anchored(model, tokenizer, task)}
             chains: dict[str, DenseSegmentSource] = {}
@@ -172,6 +199,9 @@ def main() -> None:
                         ratio = 1.0
                     options = BlendOptions(recompute_ratio=ratio, check_layers=SMOLLM2_CHECKS)
                     drift = spec.get("drift")
+                    if drift in ("calibrated", "calibrated mean"):
+                        maps = calibration[drift][j]
+                        drift = lambda *a, m=maps: CalibratedMap(m, *a)  # noqa: E731
                     if drift in ("oracle", "oracle by position"):
                         bins = POSITION_BIN if drift == "oracle by position" else None
                         drift = lambda *a, b=bins, f=full: OracleShift(f, b, *a)  # noqa: E731

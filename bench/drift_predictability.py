@@ -44,6 +44,7 @@ from _stale_rows import smollm2_tasks
 
 RATIO = 0.15
 LAMBDAS = (0.01, 0.1, 1.0)  # ridge strength, relative to the features' mean variance
+MAP_LAMBDA = 0.1  # the strength `calibrated_maps` fits with (the best for values on other tasks)
 
 
 def moments(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,18 +107,10 @@ def collect(model: Any, tasks: list[Any], check: int) -> list[list[dict[str, Any
     return out
 
 
-def removed_shares(data: list[list[dict[str, Any]]]) -> dict[str, list[float]]:
-    """Method → [share of the stale keys' squared error removed, the values']."""
-    acc: dict[str, torch.Tensor] = {}
-
-    def add(name: str, kv: int, target: torch.Tensor, pred: torch.Tensor) -> None:
-        got = acc.setdefault(name, torch.zeros(2, 2, dtype=torch.float64))
-        base = target.pow(2).sum().item()
-        got[kv] += torch.tensor([base - (target - pred).pow(2).sum().item(), base])
-
+def task_moments(data: list[list[dict[str, Any]]]) -> list[dict[tuple[int, int, int], Any]]:
+    """Per task, per (layer, 0 = K / 1 = V, head): the `moments` of all its reused rows."""
     heads = data[0][0]["feat"].shape[1]
-    # per task, per (layer, K/V, head): the moments of all its reused rows
-    per_task = [
+    return [
         {
             (layer, kv, h): _summed(
                 moments(f["feat"][:, h], f["dev"][layer][kv][:, h]) for f in rows
@@ -128,6 +121,41 @@ def removed_shares(data: list[list[dict[str, Any]]]) -> dict[str, list[float]]:
         }
         for rows in data
     ]
+
+
+def calibrated_maps(
+    per_task: list[dict[tuple[int, int, int], Any]], skip: int, mean_only: bool = False,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """{layer: (K map, V map), each [Hkv, 2·D + 1, D] fp32}: the per-token maps fit on every
+    task's rows but task ``skip``'s (`task_moments`) — a model-level calibration of drift. With
+    ``mean_only`` the map is their mean deviation alone (the last row; the others zero)."""
+    keys = list(per_task[0])
+    fit = {}
+    for key in keys:
+        a, b = _summed(p[key] for j, p in enumerate(per_task) if j != skip)
+        if mean_only:
+            fit[key] = torch.zeros_like(b)
+            fit[key][-1] = b[-1] / a[-1, -1]
+        else:
+            fit[key] = ridge((a, b), MAP_LAMBDA)
+    heads = 1 + max(h for _, _, h in keys)
+    return {
+        layer: tuple(torch.stack([fit[(layer, kv, h)] for h in range(heads)]) for kv in (0, 1))
+        for layer in sorted({layer for layer, _, _ in keys})
+    }
+
+
+def removed_shares(data: list[list[dict[str, Any]]]) -> dict[str, list[float]]:
+    """Method → [share of the stale keys' squared error removed, the values']."""
+    acc: dict[str, torch.Tensor] = {}
+
+    def add(name: str, kv: int, target: torch.Tensor, pred: torch.Tensor) -> None:
+        got = acc.setdefault(name, torch.zeros(2, 2, dtype=torch.float64))
+        base = target.pow(2).sum().item()
+        got[kv] += torch.tensor([base - (target - pred).pow(2).sum().item(), base])
+
+    heads = data[0][0]["feat"].shape[1]
+    per_task = task_moments(data)
     for t, task in enumerate(data):
         others = {key: _summed(p[key] for j, p in enumerate(per_task) if j != t)
                   for key in per_task[t]}  # fmt: skip

@@ -106,3 +106,40 @@ def test_budgets_rankings_and_chains(model: ReferenceModel, bench: Any) -> None:
         assert torch.equal(positions, torch.arange(use.start, use.end))
         assert torch.equal(keys[last], flat_res.keys[last][use.start : use.end])
         assert torch.equal(values[0], flat_res.values[0][use.start : use.end])
+
+
+def test_calibrated_maps_shift_the_stale_rows(model: ReferenceModel, bench: Any) -> None:
+    import drift_predictability as dp
+
+    tasks = [_random_task(model.shape.vocab_size, seed) for seed in (2, 3)]
+    per_task = dp.task_moments(dp.collect(model, tasks, check=1))
+    request = tasks[0].requests[0].blend_request()
+    source = masters(model, tasks[0])
+    stale = blend_group(model, [request], source, BlendOptions(recompute_ratio=0.0))[0]
+    options = BlendOptions(recompute_ratio=0.15, check_layers=(1,))
+
+    def run(maps: Any) -> Any:
+        drift = None if maps is None else (lambda *a: bench.CalibratedMap(maps, *a))
+        return bench.run_on_stale(bench.Variant(model, request, options, drift), stale)
+
+    plain = run(None)
+    means = dp.calibrated_maps(per_task, skip=1, mean_only=True)  # task 0's own mean deviation
+    shifted = run(means)
+    assert torch.equal(shifted.recomputed, plain.recomputed)  # selected before any shift
+    rows = (request.reused_mask & ~plain.recomputed).nonzero().squeeze(1)
+    assert sorted(means) == list(range(2, model.shape.num_layers))
+    for layer in range(model.shape.num_layers):
+        dv = shifted.values[layer][rows] - plain.values[layer][rows]
+        dk = model.rope.apply(shifted.keys[layer][rows] - plain.keys[layer][rows], -rows)
+        if layer not in means:  # up to the check layer: no shift
+            assert torch.equal(dv, torch.zeros_like(dv)) and torch.equal(dk, torch.zeros_like(dk))
+            continue
+        wk, wv = means[layer]
+        assert torch.allclose(dv, wv[:, -1].expand_as(dv), atol=1e-5)
+        assert torch.allclose(dk, wk[:, -1].expand_as(dk), atol=1e-4)
+    # the per-token map fit on this very task's rows (in-sample) lowers its stale rows' error
+    done = prefill(model, request.token_ids, last_only=True)
+    full = list(zip(done.keys, done.values, strict=True))
+    before = bench._stale_error(plain, full, request.reused_mask)
+    after = bench._stale_error(run(dp.calibrated_maps(per_task, skip=1)), full, request.reused_mask)
+    assert after[0] < before[0] and after[1] < before[1], (before, after)
