@@ -42,6 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _stale_rows import smollm2_tasks
 
+from kmesh_blend.blend.drift import _share  # drift auto's α, the very function
+
 RATIO = 0.15
 LAMBDAS = (0.01, 0.1, 1.0)  # ridge strength, relative to the features' mean variance
 MAP_LAMBDA = 0.1  # the strength `calibrated_maps` fits with (the best for values on other tasks)
@@ -65,13 +67,6 @@ def ridge(stats: tuple[torch.Tensor, torch.Tensor], lam: float) -> torch.Tensor:
 def apply_map(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """[n, o]: the affine map ``w`` ([f+1, o]) applied to ``x`` ([n, f])."""
     return x @ w[:-1] + w[-1]
-
-
-def drift_share(kept: torch.Tensor, stale: torch.Tensor) -> torch.Tensor:
-    """[H, 1]: α = ⟨m_stale, m_kept⟩ / ‖m_kept‖² per head, clamped to [0, 1] (``kept``,
-    ``stale``: [n, H, D] check-layer deviations)."""
-    a, b = kept.mean(0), stale.mean(0)
-    return ((a * b).sum(-1, keepdim=True) / a.pow(2).sum(-1, keepdim=True)).clamp(0, 1)
 
 
 def collect(model: Any, tasks: list[Any], check: int) -> list[list[dict[str, Any]]]:
@@ -166,7 +161,7 @@ def removed_shares(data: list[list[dict[str, Any]]]) -> dict[str, list[float]]:
                     check = f["check"][kv]
                     target = y[stale]
                     add("oracle segment mean", kv, target, target.mean(0))
-                    alpha = drift_share(check[kept], check[stale])
+                    alpha = _share(check[kept], check[stale])
                     add("drift share", kv, target, alpha * y[kept].mean(0))
                     # the other tasks' mean deviation: a shift per layer and head of the model
                     means = [others[(layer, kv, h)] for h in range(heads)]
