@@ -30,7 +30,10 @@ blend's `VllmModel`, check layers 1–3). Every variant runs through the same ex
   template's header with a fixed system prompt) instead of after its reader's own text;
 - ``chained masters``: each follow-up of a family blends from the previous follow-up's blended
   rows (computed in a follow-up's context) instead of the reader's master; ``chained after
-  full``: the first follow-up computes everything (its cost is in the recomputed share).
+  full``: the first follow-up computes everything (its cost is in the recomputed share);
+  ``refreshed masters``: after each follow-up, the rows it recomputed are written back into the
+  family's masters (keys re-rotated to the master's positions) — siblings' fresh rows as further
+  observations of the same segment — and the next follow-up blends from them.
 
 Printed per variant: top-1 agreement ± standard error (clustered by task), KL, the stale rows'
 relative error against the full prefill's KV (keys, values; mean over layers), the mean
@@ -111,6 +114,8 @@ def _variants() -> dict[str, dict[str, Any]]:
         "anchored masters + drift": {"source": "anchor", **auto},
         "chained masters + drift": {"source": "chain", **auto},
         "chained after full + drift": {"source": "chain after full", **auto},
+        "refreshed masters": {"source": "refresh"},
+        "refreshed masters + drift": {"source": "refresh", **auto},
         "deviation 0.3": {"ratio": 0.3},
         "deviation 0.5": {"ratio": 0.5},
     }
@@ -147,6 +152,26 @@ def _chained(result: Any, request: Any) -> DenseSegmentSource:
         values = torch.stack([v[rows] for v in result.values])
         source.add(use.segment_id, SegmentKV(keys, values, torch.arange(use.start, use.end)))
     return source
+
+
+def _refreshed(source: DenseSegmentSource, result: Any, request: Any,
+               rope: Any) -> DenseSegmentSource:  # fmt: skip
+    """``source`` with the rows ``result`` recomputed written back (keys re-rotated to the
+    master's positions): the family's masters, refreshed by what its members computed fresh."""
+    out = DenseSegmentSource(dict(source.segments))
+    for use in request.uses:
+        kv = source.segments[use.segment_id]
+        rows = result.recomputed[use.start : use.end].nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        keys, values = kv.keys.clone(), kv.values.clone()
+        at = rows + use.start
+        for layer, (k, v) in enumerate(zip(result.keys, result.values, strict=True)):
+            plain = rope.apply(k[at].float(), -at)
+            keys[layer, rows] = rope.apply(plain, kv.positions[rows]).to(keys.dtype)
+            values[layer, rows] = v[at]
+        out.add(use.segment_id, SegmentKV(keys, values, kv.positions))
+    return out
 
 
 def main() -> None:
@@ -193,7 +218,8 @@ def main() -> None:
                 stale_of: dict[int, Any] = {}
                 for name, spec in variants.items():
                     kind = spec.get("source", "reader")
-                    source = chains.get(name, sources["reader" if "chain" in kind else kind])
+                    base = "reader" if kind in ("refresh",) or "chain" in kind else kind
+                    source = chains.get(name, sources[base])
                     ratio = spec.get("ratio", RATIO)
                     if kind == "chain after full" and i == 0:
                         ratio = 1.0
@@ -213,6 +239,8 @@ def main() -> None:
                     res = run_on_stale(blend, stale_of[id(source)])
                     if "chain" in kind:
                         chains[name] = _chained(res, request)
+                    if kind == "refresh":
+                        chains[name] = _refreshed(source, res, request, model.rope)
                     rows = continuation_logits(model, res.keys, res.values, res.logits, ref.answer)
                     parts[name].append((j, compare(ref.rows, rows, ref.answer)))
                     error = _stale_error(res, full, request.reused_mask)

@@ -1,8 +1,8 @@
 """`bench/beyond_selection.py`'s variants: its ``drift auto`` is the shipped path bit for bit, the
 oracle shifts (per segment, per run of positions) lower the stale rows' error, the adaptive
 budget grows with its mass, a per-layer budget computes fewer rows late than early, the
-query-aware ranking changes the choice, a key scale scales the stale keys, and a chained master
-holds the previous blend's rows."""
+query-aware ranking changes the choice, a key scale scales the stale keys, a chained master
+holds the previous blend's rows and a refreshed master the recomputed ones, at its own positions."""
 
 from __future__ import annotations
 
@@ -106,6 +106,19 @@ def test_budgets_rankings_and_chains(model: ReferenceModel, bench: Any) -> None:
         assert torch.equal(positions, torch.arange(use.start, use.end))
         assert torch.equal(keys[last], flat_res.keys[last][use.start : use.end])
         assert torch.equal(values[0], flat_res.values[0][use.start : use.end])
+
+    refreshed = bench._refreshed(source, flat_res, request, model.rope)
+    for use in request.uses:
+        was, now = source.segments[use.segment_id], refreshed.segments[use.segment_id]
+        fresh = flat_res.recomputed[use.start : use.end]
+        assert bool(fresh.any()) and bool((~fresh).any())
+        assert torch.equal(now.keys[:, ~fresh], was.keys[:, ~fresh])  # stale rows: the master's
+        assert torch.equal(now.values[:, ~fresh], was.values[:, ~fresh])
+        at = torch.arange(use.start, use.end)[fresh]
+        assert torch.equal(now.values[last][fresh], flat_res.values[last][at])
+        plain_new = model.rope.apply(now.keys[last][fresh].float(), -was.positions[fresh])
+        plain_res = model.rope.apply(flat_res.keys[last][at].float(), -at)
+        assert torch.allclose(plain_new, plain_res, atol=1e-4)  # same key, at the master's place
 
 
 def test_calibrated_maps_shift_the_stale_rows(model: ReferenceModel, bench: Any) -> None:
