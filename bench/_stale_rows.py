@@ -17,10 +17,11 @@ def run_on_stale(blend: RequestBlend, stale: BlendResult) -> BlendResult:
     return blend.finish()
 
 
-def smollm2_tasks(quick: bool, check_layers: tuple[int, ...]) -> tuple[Any, list[Any], Any, Any]:
-    """(tokenizer, tasks, engine, model): `bench/quality.py --model smollm2`'s chat tasks (2 of
-    8 when ``quick``) and an fp32 vLLM engine with KMesh, whose loaded model the blends run on
-    (close the engine with `kmesh_blend.quality.report.close`)."""
+def smollm2_tasks(quick: bool, check_layers: tuple[int, ...],
+                  num_tasks: int = 8) -> tuple[Any, list[Any], Any, Any]:  # fmt: skip
+    """(tokenizer, tasks, engine, model): `bench/quality.py --model smollm2`'s chat tasks (the
+    first ``num_tasks``, 2 when ``quick``) and an fp32 vLLM engine with KMesh, whose loaded model
+    the blends run on (close the engine with `kmesh_blend.quality.report.close`)."""
     from transformers import AutoTokenizer
 
     from kmesh_blend.quality.chat import chat_tasks
@@ -28,6 +29,6 @@ def smollm2_tasks(quick: bool, check_layers: tuple[int, ...]) -> tuple[Any, list
     from kmesh_blend.testing import smollm2_checkpoint
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
-    tasks = chat_tasks(tokenizer, 2 if quick else 8, doc_tokens=192)
+    tasks = chat_tasks(tokenizer, 2 if quick else num_tasks, doc_tokens=192)
     llm, model = engine(smollm2_checkpoint(), check_layers, 2048)
     return tokenizer, tasks, llm, model

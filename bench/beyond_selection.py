@@ -35,12 +35,14 @@ blend's `VllmModel`, check layers 1–3). Every variant runs through the same ex
   family's masters (keys re-rotated to the master's positions) — siblings' fresh rows as further
   observations of the same segment — and the next follow-up blends from them.
 
-Printed per variant: top-1 agreement ± standard error (clustered by task), KL, the stale rows'
+Printed per variant: top-1 agreement ± standard error (clustered by task), its difference from
+``drift auto`` on the same answer positions ± its own (paired) standard error, KL, the stale rows'
 relative error against the full prefill's KV (keys, values; mean over layers), the mean
 recomputed share and the reused rows computed summed over layers (share of all of them).
 `make bench` keeps its result line in bench/results/beyond_selection.json.
 
-Run: python bench/beyond_selection.py [--quick]   (2 of the 8 tasks)
+Run: python bench/beyond_selection.py [--quick | --tasks N] [--only "a,b"]   (--quick: 2 tasks;
+--tasks: the first N chat tasks, 8 by default; --only: these variants and the two baselines)
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from _stale_rows import run_on_stale, smollm2_tasks
 
 from kmesh_blend.blend import BlendOptions, DenseSegmentSource, SegmentKV, blend_group
 from kmesh_blend.blend.drift import DriftCorrection
-from kmesh_blend.quality.chat_harness import aggregate, masters, references
+from kmesh_blend.quality.chat_harness import aggregate, masters, paired_difference, references
 
 RATIO = 0.15
 MASSES = (0.7, 0.85)
@@ -176,7 +178,8 @@ def _refreshed(source: DenseSegmentSource, result: Any, request: Any,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 tasks instead of 8")
+    parser.add_argument("--quick", action="store_true", help="2 tasks instead of --tasks")
+    parser.add_argument("--tasks", type=int, default=8, help="chat tasks, 4 follow-ups each")
     parser.add_argument("--only", default="", help="comma-separated variants to run (and the "
                         "first two, the baselines); all by default")  # fmt: skip
     args = parser.parse_args()
@@ -189,7 +192,7 @@ def main() -> None:
     from kmesh_blend.quality.report import ANSWER_TOKENS, close
 
     began = time.perf_counter()
-    tokenizer, tasks, llm, model = smollm2_tasks(args.quick, SMOLLM2_CHECKS)
+    tokenizer, tasks, llm, model = smollm2_tasks(args.quick, SMOLLM2_CHECKS, args.tasks)
     variants = _variants()
     if args.only:
         chosen = {name.strip() for name in args.only.split(",")}
@@ -253,20 +256,24 @@ def main() -> None:
     finally:
         close(llm)
     table = []
+    auto = [p for _, p in parts["drift auto"]]
     for name in variants:
         comparisons, clusters = [p for _, p in parts[name]], [j for j, _ in parts[name]]
         r = aggregate(Setting(RATIO), comparisons, kinds, clusters, RATIO, 0.0)
+        gain, gain_se = paired_difference(comparisons, auto, clusters)
         err = torch.tensor(errors[name]).mean(0).tolist()
         share = torch.tensor(shares[name]).mean(0).tolist()
         table.append({"variant": name, "agreement": round(r.agreement, 4),
                       "agreement_se": round(r.agreement_se, 4), "kl": float(f"{r.kl:.4g}"),
+                      "vs_drift_auto": round(gain, 4), "vs_drift_auto_se": round(gain_se, 4),
                       "identical_answers": round(r.identical_answers, 4),
                       "stale_error_k": float(f"{err[0]:.4g}"),
                       "stale_error_v": float(f"{err[1]:.4g}"),
                       "recomputed": round(share[0], 4),
                       "token_layers": round(share[1], 4)})  # fmt: skip
         row = table[-1]
-        print(f"  {name:34s} agreement {row['agreement']:.4f} ± {row['agreement_se']:.4f}, KL "
+        print(f"  {name:34s} agreement {row['agreement']:.4f} ± {row['agreement_se']:.4f} "
+              f"({gain:+.4f} ± {gain_se:.4f} paired, vs drift auto), KL "
               f"{row['kl']:.2e}, stale error K {row['stale_error_k']:.2e} V "
               f"{row['stale_error_v']:.2e}, recomputed {row['recomputed']:.3f} "
               f"(rows × layers {row['token_layers']:.3f})")  # fmt: skip

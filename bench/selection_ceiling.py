@@ -12,18 +12,25 @@ choices reach at the same token count. Every choice recomputes 15 % of a request
   all 30 layers (each layer's squared distance over its mean squared norm);
 - ``oracle attention``: the attention the full prefill's post-document tokens (question, headers,
   the assistant turn) pay each document token, summed over layers and heads;
-- ``oracle attention × V``: both.
+- ``oracle attention × V``: both;
+- ``drift auto``: the default rule with the stale rows' drift corrected (`kmesh.drift_correction:
+  auto`): not a selection, the method beyond selection the engine ships, against the ceiling.
+
+Besides each row's agreement ± its standard error, each row's difference from the deviation
+rule on the same answer positions ± its paired standard error (clustered by task), and drift
+auto's paired differences (agreement, KL) from the best oracle.
 
 Same tasks, references and metrics as `bench/quality.py --model smollm2` (fp32 engine, the
 blend's `VllmModel`). `make bench` keeps its result line in
 bench/results/selection_ceiling.json.
 
-Run: python bench/selection_ceiling.py [--quick]   (2 of the 8 tasks)
+Run: python bench/selection_ceiling.py [--quick | --tasks N]   (2 tasks; the first N, 8 by default)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -91,7 +98,8 @@ def _full_prefill(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 tasks instead of 8")
+    parser.add_argument("--quick", action="store_true", help="2 tasks instead of --tasks")
+    parser.add_argument("--tasks", type=int, default=8, help="chat tasks, 4 follow-ups each")
     args = parser.parse_args()
     from _common import emit
     from quality import SMOLLM2_CHECKS
@@ -100,8 +108,9 @@ def main() -> None:
     from kmesh_blend.quality.report import ANSWER_TOKENS, close
 
     began = time.perf_counter()
-    tokenizer, tasks, llm, model = smollm2_tasks(args.quick, SMOLLM2_CHECKS)
-    rules = ("deviation", "oracle K", "oracle V", "oracle attention", "oracle attention × V")
+    tokenizer, tasks, llm, model = smollm2_tasks(args.quick, SMOLLM2_CHECKS, args.tasks)
+    oracles = ("oracle K", "oracle V", "oracle attention", "oracle attention × V")
+    rules = ("deviation", *oracles, "drift auto")
     parts: dict[str, list[Any]] = {rule: [] for rule in rules}
     kinds: list[str] = []
     try:
@@ -112,9 +121,11 @@ def main() -> None:
             requests = [r.blend_request() for r in task.requests]
             options = BlendOptions(recompute_ratio=RATIO, check_layers=SMOLLM2_CHECKS)
             default = blend_group(model, requests, source, options)
+            drift = dataclasses.replace(options, drift_correction="auto")
+            drifted = blend_group(model, requests, source, drift)
             plain = BlendOptions(recompute_ratio=0.0, check_layers=(1,))
-            for prompt, request, ref, out in zip(task.requests, requests, task_refs, default,
-                                                 strict=True):  # fmt: skip
+            rows_of = zip(task.requests, requests, task_refs, default, drifted, strict=True)
+            for prompt, request, ref, out, corrected in rows_of:
                 kinds.append(prompt.kind)
                 stale = blend_group(model, [request], source, plain)[0]
                 keys, values, mass = _full_prefill(model, request)
@@ -122,7 +133,7 @@ def main() -> None:
                 v_dist = _distance(values, stale.values)
                 scores = {"oracle K": k_dist, "oracle V": v_dist, "oracle attention": mass,
                           "oracle attention × V": mass * v_dist}  # fmt: skip
-                outs = {"deviation": out}
+                outs = {"deviation": out, "drift auto": corrected}
                 for rule, score in scores.items():
                     outs[rule] = run_on_stale(_Ranked(model, request, score), stale)
                 for rule, res in outs.items():
@@ -134,12 +145,17 @@ def main() -> None:
             print(f"[{time.perf_counter() - began:5.0f} s] task {j + 1}/{len(tasks)}", flush=True)
     finally:
         close(llm)
-    table = [_row(rule, parts[rule], kinds) for rule in rules]
+    table = [_row(rule, parts[rule], kinds, parts["deviation"]) for rule in rules]
     for row in table:
         print(f"  {row['rule']:22s} top-1 agreement {row['agreement']:.4f} ± "
-              f"{row['agreement_se']:.4f}, KL {row['kl']:.2e}, identical answers "
-              f"{row['identical_answers']:.3f}")  # fmt: skip
-    best = max(table[1:], key=lambda r: r["agreement"])
+              f"{row['agreement_se']:.4f} ({row['vs_deviation']:+.4f} ± "
+              f"{row['vs_deviation_se']:.4f} paired, vs deviation), KL {row['kl']:.2e}, "
+              f"identical answers {row['identical_answers']:.3f}")  # fmt: skip
+    best = max(table[1:-1], key=lambda r: r["agreement"])
+    past = _paired(parts["drift auto"], parts[best["rule"]])
+    past_kl = _paired(parts["drift auto"], parts[best["rule"]], "kl")
+    print(f"  drift auto − {best['rule']} (paired): agreement {past[0]:+.4f} ± {past[1]:.4f}, "
+          f"KL {past_kl[0]:+.2e} ± {past_kl[1]:.2e}")  # fmt: skip
     result = {
         "name": "selection_ceiling",
         "metric": "top-1 agreement at ratio 0.15: best oracle selection / the deviation rule",
@@ -150,21 +166,34 @@ def main() -> None:
                    "tasks": len(tasks), "follow_ups": len(parts["deviation"]),
                    "positions": sum(p.agree.numel() for _, p in parts["deviation"]),
                    "best_oracle": best["rule"], "table": table,
+                   "drift_auto_vs_best_oracle": {"agreement": [round(past[0], 4),
+                                                               round(past[1], 4)],
+                                                 "kl": [float(f"{x:.3g}") for x in past_kl]},
                    "seconds": round(time.perf_counter() - began, 1)},
     }  # fmt: skip
     emit(result)
 
 
-def _row(rule: str, parts: list[Any], kinds: list[str]) -> dict[str, Any]:
+def _paired(parts: list[Any], base: list[Any], of: str = "agree") -> tuple[float, float]:
+    from kmesh_blend.quality.chat_harness import paired_difference
+
+    clusters = [j for j, _ in parts]
+    return paired_difference([p for _, p in parts], [p for _, p in base], clusters, of)
+
+
+def _row(rule: str, parts: list[Any], kinds: list[str], base: list[Any]) -> dict[str, Any]:
     from kmesh_blend.quality import Setting
     from kmesh_blend.quality.chat_harness import aggregate
 
     comparisons, clusters = [p for _, p in parts], [j for j, _ in parts]
     r = aggregate(Setting(RATIO), comparisons, kinds, clusters, RATIO, 0.0)
+    gain, gain_se = _paired(parts, base)
     return {
         "rule": rule,
         "agreement": round(r.agreement, 4),
         "agreement_se": round(r.agreement_se, 4),
+        "vs_deviation": round(gain, 4),
+        "vs_deviation_se": round(gain_se, 4),
         "kl": float(f"{r.kl:.4g}"),
         "kl_se": float(f"{r.kl_se:.3g}"),
         "identical_answers": round(r.identical_answers, 4),

@@ -46,6 +46,7 @@ __all__ = [
     "evaluate_chat",
     "full_prefill_agreement",
     "near_ties",
+    "paired_difference",
     "references",
 ]
 
@@ -234,6 +235,20 @@ def aggregate(
         blend_s=blend_s,
         agreement_by_kind={kind: _share(parts, kinds, kind) for kind in sorted(set(kinds))},
     )
+
+
+def paired_difference(
+    parts: list[Comparison], base: list[Comparison], clusters: list[int], of: str = "agree"
+) -> tuple[float, float]:
+    """(mean, standard error) of one setting's per-position ``of`` (a `Comparison` field: top-1
+    ``agree`` or ``kl``) minus ``base``'s over the same follow-ups' answer positions (both
+    teacher-forced on the same references), clustered by task: far tighter than either
+    setting's own error, since the tasks' difficulty cancels."""
+    pairs = zip(parts, base, strict=True)
+    diff = [getattr(a, of).float() - getattr(b, of).float() for a, b in pairs]
+    owner = torch.cat([torch.full((d.numel(),), c) for d, c in zip(diff, clusters, strict=True)])
+    values = torch.cat(diff)
+    return float(values.mean()), _clustered_se(values, owner)
 
 
 def _share(parts: list[Comparison], kinds: list[str], kind: str) -> float:
