@@ -192,16 +192,30 @@ def _ceiling_rows(ceiling: dict | None) -> list[str]:
         f"Oracle selections at ratio {cfg['ratio']} (`bench/selection_ceiling.py`, "
         f"{cfg['follow_ups']} follow-ups, {cfg['positions']} positions, "
         f"{'quick' if ceiling['quick'] else 'full'} run): the same token count chosen with the "
-        "full prefill's own KV and attention.",
+        "full prefill's own KV and attention; drift auto (the rule with drift correction, not a "
+        "selection) beside them. Paired: the difference from the rule on the same answer "
+        "positions.",
         "",
-        "| selection score | top-1 agreement | KL(full ‖ blend) | identical answers |",
-        "|---|---|---|---|",
+        "| selection score | top-1 agreement | paired vs deviation | KL(full ‖ blend) "
+        "| identical answers |",
+        "|---|---|---|---|---|",
     ]
     for r in cfg["table"]:
+        paired = "—"
+        if "vs_deviation" in r:
+            paired = f"{100 * r['vs_deviation']:+.1f} ± {100 * r['vs_deviation_se']:.1f} pts"
         rows.append(
-            f"| {r['rule']} | {r['agreement']:.3f} ± {r['agreement_se']:.3f} | {r['kl']:.2e} "
-            f"| {r['identical_answers']:.3f} |"
+            f"| {r['rule']} | {r['agreement']:.3f} ± {r['agreement_se']:.3f} | {paired} "
+            f"| {r['kl']:.2e} | {r['identical_answers']:.3f} |"
         )
+    past = cfg.get("drift_auto_vs_best_oracle")
+    if past:
+        (gain, gain_se), (kl, kl_se) = past["agreement"], past["kl"]
+        rows += [
+            "",
+            f"Drift auto − the best oracle ({cfg['best_oracle']}), paired: top-1 "
+            f"{100 * gain:+.1f} ± {100 * gain_se:.1f} points, KL {kl:+.2e} ± {kl_se:.2e}.",
+        ]
     return rows
 
 

@@ -48,7 +48,13 @@ def test_reference_points_and_oracles_come_from_the_json(run_all: Any) -> None:
     text = "\n".join(rows)
     assert "0.980 ± 0.004" in text and "4.5% under 0.1 nats" in text and "22.3% under 0.5" in text
     assert "reaches 0.99 at none of the ratios measured" in text
-    assert "| oracle V | 0.961 ± 0.009 | 1.44e-02 | 0.280 |" in rows
+    assert "| oracle V | 0.961 ± 0.009 | — | 1.44e-02 | 0.280 |" in rows
+    ceiling["config"]["table"][0].update(vs_deviation=0.0123, vs_deviation_se=0.0044)
+    ceiling["config"].update(best_oracle="oracle V", drift_auto_vs_best_oracle={
+        "agreement": [0.0025, 0.0056], "kl": [-0.00371, 0.00131]})  # fmt: skip
+    rows = run_all._real_quality_rows(json.loads(json.dumps(result)), ceiling)
+    assert "| oracle V | 0.961 ± 0.009 | +1.2 ± 0.4 pts | 1.44e-02 | 0.280 |" in rows
+    assert "(oracle V), paired: top-1 +0.2 ± 0.6 points, KL -3.71e-03 ± 1.31e-03." in rows[-1]
     assert "8 follow-ups, 250 positions, quick run" in text
     result["config"]["goal_reached_at_ratio"] = 0.7
     assert "reaches 0.99 from ratio 0.7" in "\n".join(run_all._real_quality_rows(result))
