@@ -72,7 +72,7 @@ def _kernel_for(dtype: torch.dtype, heads: Heads) -> tuple[Kernel | None, str | 
 
 
 def _unsupported(layer: AttnLayer, layout: PagedLayout) -> str | None:
-    if layout.name not in ("cpu_rows", "cpu_k_transposed"):
+    if layout.name not in ("cpu_rows", "cpu_k_transposed", "cpu_amx_packed"):
         return f"paged layout {layout.name}"
     return vllm_attn.unsupported(layer)
 

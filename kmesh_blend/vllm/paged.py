@@ -7,7 +7,12 @@ scratch cache with random rows and keeps the candidate view that reads exactly t
 If none does, the layout is unknown and reuse is disabled (one log line) — never a hand-guessed
 write.
 
-Views are ``[block, head, offset, dim]`` (see `kmesh_blend.ops.scatter_paged`).
+Views are ``[block, head, offset, dim]`` (see `kmesh_blend.ops.scatter_paged`), except for
+``packed`` layouts, whose rows are not one strided view: vLLM's CPU backend on AMX in bf16 packs
+each block in AMX tiles (K: per 16 tokens, dimension pairs of 16 tokens × 2; V: per 16 dimensions,
+token pairs of 16 dimensions × 2). Their views are 6-D (see `_amx_views`) and rows are read and
+written by index; the cascade kernels and the blend's use of vLLM's attention kernel do not take
+them (both fall back, saying why).
 """
 
 from __future__ import annotations
@@ -46,18 +51,29 @@ class PagedLayout:
     name: str
     block_size: int
     views: ViewFn
+    packed: bool = False  # AMX tiles: `views` are 6-D, rows go through `_amx_rows`
 
     def write(
         self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
     ) -> None:
         """Write rows k / v [n, Hkv, D] at ``slots`` [n] (exact copy, cast to the cache dtype)."""
         kv, vv = self.views(cache)
+        if self.packed:
+            k_at, v_at = _amx_rows(kv, vv, slots, self.block_size)
+            n, heads, dim = k.shape
+            kv[k_at] = k.to(cache.dtype).reshape(n, heads, dim // 2, 2)
+            vv[v_at] = v.to(cache.dtype).reshape(n, heads, dim // 16, 16)
+            return
         scatter_paged(k, kv, slots, self.block_size)
         scatter_paged(v, vv, slots, self.block_size)
 
     def read(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows at ``slots`` [n] → (k, v) each [n, Hkv, D] in the cache dtype."""
         kv, vv = self.views(cache)
+        if self.packed:
+            k_at, v_at = _amx_rows(kv, vv, slots, self.block_size)
+            n, heads, dim = slots.numel(), kv.shape[1], 2 * kv.shape[3]
+            return kv[k_at].reshape(n, heads, dim), vv[v_at].reshape(n, heads, dim)
         return gather_paged(kv, slots, self.block_size), gather_paged(vv, slots, self.block_size)
 
     def write_layers(
@@ -98,15 +114,14 @@ class PagedLayout:
             log.warning("kmesh: probing the KV cache layout failed (%s); reuse disabled", str(exc))
             return None
         for name, views in candidates.items():
+            layout = cls(name, block_size, views, packed=name == "cpu_amx_packed")
             try:
-                kv, vv = views(probe)
-                got_k = gather_paged(kv, slots.to(cache.device), block_size).cpu()
-                got_v = gather_paged(vv, slots.to(cache.device), block_size).cpu()
-            except (RuntimeError, ValueError):
+                got_k, got_v = layout.read(probe, slots.to(cache.device))
+            except (RuntimeError, ValueError, IndexError):
                 continue
-            if torch.equal(got_k, k) and torch.equal(got_v, v):
+            if torch.equal(got_k.cpu(), k) and torch.equal(got_v.cpu(), v):
                 log.info("kmesh: paged KV layout is %s (verified by a round trip)", name)
-                return cls(name, block_size, views)
+                return layout
         log.warning("kmesh: unknown paged KV layout %s; reuse disabled", tuple(cache.shape))
         return None
 
@@ -135,6 +150,8 @@ def _candidates(shape: torch.Size, heads: int, dim: int, bs: int) -> dict[str, V
 
         out["cpu_k_transposed"] = cpu_k_transposed
         out["cpu_rows"] = cpu_rows
+        if bs % 16 == 0 and dim % 16 == 0:
+            out["cpu_amx_packed"] = _amx_views(heads, dim, bs)
     if len(shape) == 5 and shape[0] == 2 and tuple(shape[2:]) == (bs, heads, dim):
         out["cuda_2_nb_bs_h_d"] = lambda c: (c[0].permute(0, 2, 1, 3), c[1].permute(0, 2, 1, 3))
     if len(shape) == 5 and shape[1] == 2 and tuple(shape[2:]) == (bs, heads, dim):
@@ -145,3 +162,38 @@ def _candidates(shape: torch.Size, heads: int, dim: int, bs: int) -> dict[str, V
     if len(shape) == 5 and shape[1] == 2 and tuple(shape[2:]) == (heads, bs, dim):
         out["cuda_nb_2_h_bs_d"] = lambda c: (c[:, 0], c[:, 1])
     return out
+
+
+def _amx_views(heads: int, dim: int, bs: int) -> ViewFn:
+    """vLLM CPU on AMX, bf16: each block and head holds K then V, each bs × D elements, in tiles.
+    K element (t, d) sits at (t // 16)·16D + (d // 2)·32 + (t % 16)·2 + d % 2, V element (t, d)
+    at (d // 16)·16·bs + (t // 2)·32 + (d % 16)·2 + t % 2; as views, K [block, head, t // 16,
+    d // 2, t % 16, d % 2] and V [block, head, d // 16, t // 2, d % 16, t % 2]."""
+
+    def views(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        base = c.view(c.shape[0], heads, 2 * bs, dim)
+        s0, s1, at = base.stride(0), base.stride(1), base.storage_offset()
+        k = base.as_strided(
+            (c.shape[0], heads, bs // 16, dim // 2, 16, 2), (s0, s1, 16 * dim, 32, 2, 1), at
+        )
+        v = base.as_strided(
+            (c.shape[0], heads, dim // 16, bs // 2, 16, 2), (s0, s1, 16 * bs, 32, 2, 1),
+            at + bs * dim,
+        )  # fmt: skip
+        return k, v
+
+    return views
+
+
+def _amx_rows(kv: torch.Tensor, vv: torch.Tensor, slots: torch.Tensor, bs: int) -> tuple[
+    tuple[torch.Tensor | slice, ...], tuple[torch.Tensor | slice, ...]
+]:  # fmt: skip
+    """Index tuples of `_amx_views`' K and V for the rows at ``slots`` [n] int64: indexing gives
+    K [n, Hkv, D/2, 2] and V [n, Hkv, D/16, 16] (the heads and dims in order)."""
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= kv.shape[0] * bs):
+        raise IndexError(f"slots outside the cache's {kv.shape[0] * bs} slots")
+    blocks, offsets = slots // bs, slots % bs
+    every = slice(None)
+    k_at = (blocks, every, offsets // 16, every, offsets % 16, every)
+    v_at = (blocks, every, every, offsets // 2, every, offsets % 2)
+    return k_at, v_at

@@ -47,7 +47,7 @@ class PagedAttention:
                reference: Reference) -> PagedAttention | None:  # fmt: skip
         """A checked instance, or None when vLLM's CPU kernel is unavailable or disagrees with
         ``reference`` (a `LayerwiseModel`'s ``attend``) on a scratch input."""
-        if layout.name not in ("cpu_k_transposed", "cpu_rows"):
+        if layout.name not in ("cpu_k_transposed", "cpu_rows", "cpu_amx_packed"):
             return None
         if not vllm_attn.kernel_available():
             return None

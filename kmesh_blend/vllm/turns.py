@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kmesh_blend.mirror.lifecycle import MirrorStore
+from kmesh_blend.mirror.reference import restore_layer_reference
 from kmesh_blend.mirror.restore import plan_restore, restore_layer
 from kmesh_blend.segments.cache import SegmentCache
 from kmesh_blend.segments.identity import Namespace, SegmentId, segment_id
@@ -141,6 +142,11 @@ def restore_turn(
     for layer, cache in enumerate(caches):
         k_view, v_view = paged.views(cache)
         for plan, master_kv, span_slots in plans:
+            if paged.packed:  # AMX tiles are no [block, head, offset, dim] view: rows, then write
+                k, v = restore_layer_reference(master_kv, plan.master_positions, plan.mirror,
+                                               layer, plan.inv_freq.cpu(), plan.row_of)  # fmt: skip
+                paged.write(cache, k, v, span_slots)
+                continue
             restore_layer(plan, master_kv, layer, k_view, v_view, span_slots, paged.block_size)
         if private.numel():
             paged.write(cache, rows[layer, 0], rows[layer, 1], slots[private])
