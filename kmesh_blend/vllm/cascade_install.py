@@ -18,7 +18,7 @@ import torch
 from kmesh_blend.segments.master import Master
 from kmesh_blend.vllm.cascade_attend import EngineKV, Heads, Kernel
 from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse, ReqIds
-from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
+from kmesh_blend.vllm.paged import CPU_LAYOUTS, PagedLayout, slot_mapping
 from kmesh_blend.vllm.seam import cpu_attention as vllm_attn
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def _kernel_for(dtype: torch.dtype, heads: Heads) -> tuple[Kernel | None, str | 
 
 
 def _unsupported(layer: AttnLayer, layout: PagedLayout) -> str | None:
-    if layout.name not in ("cpu_rows", "cpu_k_transposed", "cpu_amx_packed"):
+    if layout.name not in CPU_LAYOUTS:
         return f"paged layout {layout.name}"
     return vllm_attn.unsupported(layer)
 

@@ -11,8 +11,7 @@ Views are ``[block, head, offset, dim]`` (see `kmesh_blend.ops.scatter_paged`), 
 ``packed`` layouts, whose rows are not one strided view: vLLM's CPU backend on AMX in bf16 packs
 each block in AMX tiles (K: per 16 tokens, dimension pairs of 16 tokens × 2; V: per 16 dimensions,
 token pairs of 16 dimensions × 2). Their views are 6-D (see `_amx_views`) and rows are read and
-written by index; the cascade kernels and the blend's use of vLLM's attention kernel do not take
-them (both fall back, saying why).
+written by index.
 """
 
 from __future__ import annotations
@@ -30,11 +29,13 @@ from kmesh_blend.vllm.seam.cpu_attention import write_kv
 if TYPE_CHECKING:
     from kmesh_blend.vllm.seam.cpu_attention import AttnLayer
 
-__all__ = ["PagedLayout", "slot_mapping"]
+__all__ = ["CPU_LAYOUTS", "PagedLayout", "slot_mapping"]
 
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 ViewFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# The layouts of vLLM's CPU backend: its attention kernel and our cascade kernel read them.
+CPU_LAYOUTS = ("cpu_k_transposed", "cpu_rows", "cpu_amx_packed")
 
 
 def slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
@@ -51,7 +52,11 @@ class PagedLayout:
     name: str
     block_size: int
     views: ViewFn
-    packed: bool = False  # AMX tiles: `views` are 6-D, rows go through `_amx_rows`
+
+    @property
+    def packed(self) -> bool:
+        """AMX tiles: `views` are 6-D, rows go through `_amx_rows`."""
+        return self.name == "cpu_amx_packed"
 
     def write(
         self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
@@ -114,7 +119,7 @@ class PagedLayout:
             log.warning("kmesh: probing the KV cache layout failed (%s); reuse disabled", str(exc))
             return None
         for name, views in candidates.items():
-            layout = cls(name, block_size, views, packed=name == "cpu_amx_packed")
+            layout = cls(name, block_size, views)
             try:
                 got_k, got_v = layout.read(probe, slots.to(cache.device))
             except (RuntimeError, ValueError, IndexError):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
+from kmesh_blend.vllm.paged import CPU_LAYOUTS, PagedLayout, slot_mapping
 from kmesh_blend.vllm.seam import cpu_attention as vllm_attn
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class PagedAttention:
                reference: Reference) -> PagedAttention | None:  # fmt: skip
         """A checked instance, or None when vLLM's CPU kernel is unavailable or disagrees with
         ``reference`` (a `LayerwiseModel`'s ``attend``) on a scratch input."""
-        if layout.name not in ("cpu_k_transposed", "cpu_rows", "cpu_amx_packed"):
+        if layout.name not in CPU_LAYOUTS:
             return None
         if not vllm_attn.kernel_available():
             return None
