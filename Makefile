@@ -9,7 +9,9 @@ PYTEST_ARGS ?=
 install:
 	@bash scripts/install.sh
 
+# services.sh too: the README's other examples (routed_agents.py: Redis) run after `make demo`.
 demo: install
+	@bash scripts/services.sh
 	$(PY) examples/demo.py
 
 test: install

@@ -27,6 +27,8 @@ QUALITY_DOC = BENCH.parent / "docs" / "quality.md"  # the quality tables' home
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 Q_BEGIN, Q_END = "<!-- quality:begin -->", "<!-- quality:end -->"
 R_BEGIN, R_END = "<!-- quality_smollm2:begin -->", "<!-- quality_smollm2:end -->"
+LOAD_DOC = BENCH.parent / "docs" / "load.md"  # bench/serving.py's table
+S_BEGIN, S_END = "<!-- serving:begin -->", "<!-- serving:end -->"
 # name -> (script, arguments): a script run again under another workload
 VARIANTS = {
     "quality_smollm2": ("quality.py", ["--model", "smollm2"]),
@@ -108,6 +110,10 @@ def write_readme_table() -> None:
     if len(rows) == 2:
         rows.append("| — | not measured yet | — | — | — | — |")
     README.write_text(_between(README.read_text(), BEGIN, END, rows))
+    serving = RESULTS / "serving.json"
+    if LOAD_DOC.exists() and serving.exists():
+        rows = _serving_rows(json.loads(serving.read_text()))
+        LOAD_DOC.write_text(_between(LOAD_DOC.read_text(), S_BEGIN, S_END, rows))
     if not QUALITY_DOC.exists():
         return
     text = QUALITY_DOC.read_text()
@@ -215,6 +221,54 @@ def _ceiling_rows(ceiling: dict | None) -> list[str]:
             "",
             f"Drift auto − the best oracle ({cfg['best_oracle']}), paired: top-1 "
             f"{100 * gain:+.1f} ± {100 * gain_se:.1f} points, KL {kl:+.2e} ± {kl_se:.2e}.",
+        ]
+    return rows
+
+
+def _serving_rows(result: dict) -> list[str]:
+    """docs/load.md's table: every engine × rate of ``bench/serving.py``, then its headline."""
+    cfg = result["config"]
+    cpu = cfg.get("cpu", {})
+    isa = "AMX" if cpu.get("amx_tile") else "AVX-512 BF16" if cpu.get("avx512_bf16") else "AVX2"
+    rows = [
+        f"{'Quick' if result['quick'] else 'Full'} run of `bench/serving.py` on {cpu.get('model')}"
+        f" ({cpu.get('cores')} cores, {isa}): {cfg['families']} families × {cfg['agents']} "
+        f"agents, documents of {min(cfg['document_tokens'])}–{max(cfg['document_tokens'])} "
+        f"tokens, {cfg['output_tokens']} output tokens; SLO TTFT ≤ {cfg['slo_ms']['ttft']:g} ms, "
+        f"TPOT ≤ {cfg['slo_ms']['tpot']:g} ms.",
+        "",
+        "| engine | offered req/s | completed req/s | within SLO | goodput req/s | TTFT p50 / p99 "
+        "(ms) | ITL p50 / p99 (ms) | families/min | reused / fallbacks / preemptions |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for engine, by_rate in cfg["engines"].items():
+        for rate, r in by_rate.items():
+            s = r["server"]
+            rows.append(
+                f"| {engine} | {rate} | {r['request_throughput']:.3f} | {r['within_slo']:.0%} "
+                f"| {r['request_goodput']:.3f} "
+                f"| {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} "
+                f"| {r['median_itl_ms']:.0f} / {r['p99_itl_ms']:.0f} | {r['families_per_min']:.2f} "
+                f"| {s['requests_reused']:.0f} / {s['requests_fallback']:.0f} "
+                f"/ {s['preemptions']:.0f} |"
+            )
+    best, value = cfg["sustained_rate"], result["value"]
+    bound = " (a lower bound: stock sustains none of the rates)" if cfg[
+        "stock_below_lowest_rate"] else ""  # fmt: skip
+    exact = cfg.get("exactness") or {}
+    rows += [
+        "",
+        f"Highest rate sustained (≥ {cfg['sustained_share']:.0%} of requests within the SLO there "
+        f"and below): {', '.join(f'{e} {r}' for e, r in best.items())}. KMesh / stock: "
+        f"**{value}×**{bound} (goal ≥ {result['goal']}); p99 TTFT at stock's highest sustained "
+        f"rate, KMesh / stock: {cfg['p99_ttft_at_stock_rate']} (goal ≤ {cfg['p99_ttft_goal']}).",
+    ]
+    if exact:
+        rows += [
+            "",
+            f"At recompute ratio 1.0 (fp32, one request at a time) {exact['identical']} of the "
+            f"first {exact['requests']} answers the client received equal stock's "
+            f"({exact['reused_tokens']:.0f} tokens reused).",
         ]
     return rows
 

@@ -69,6 +69,8 @@ def count(reports: list[Report]) -> dict[str, int]:
         add("storage_reads", report.get("storage_reads"))
         add("prefix_cached_tokens", report.get("prefix_cached_tokens"))
         add("released_blocks", report.get("released_blocks"))
+        add("cascade_steps", report.get("cascade_steps"))
+        add("preemptions", report.get("preemptions"))
         why = report.get("fallback")
         if why:
             add("requests|fallback", 1)

@@ -39,6 +39,8 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "storage_reads": ("Reads from the store's backing tier, per request report", None),
     "prefix_cached_tokens": ("Leading tokens of annotated requests from vLLM's prefix cache", None),
     "released_blocks": ("KV blocks readers gave back to vLLM's pool (kmesh.share_kv_memory)", None),
+    "cascade_steps": ("Readers' decode steps run in cascade (kmesh.cascade_decode)", None),
+    "preemptions": ("Times annotated requests were preempted and prefilled again", None),
     "fallbacks": ("Annotated requests run without reuse, by reason", "reason"),
     "store_reads": ("Reads from the backing tier, by store kind", "tier"),
     "retention_hits": ("Master fetches served from host-RAM retention", None),

@@ -30,3 +30,20 @@ def test_fallback_reasons_are_short_labels() -> None:
     down = "kmesh.store lm://10.0.0.1:65432 unavailable: no answer within 0.50 s"
     assert fallback_reason(down) == "store unavailable"
     assert fallback_reason(f"load error: {down}") == "load error"
+
+
+def test_finished_reports_count_cascade_steps_and_preemptions() -> None:
+    from kmesh_blend.vllm.reports import count
+
+    reports = [
+        {"reused_tokens": 400, "cascade_steps": 31, "preemptions": 1, "fallback": None},
+        {"reused_tokens": 400, "cascade_steps": 12, "released_blocks": 3, "fallback": None},
+        {"reused_tokens": 0, "fallback": None},
+    ]
+    counters = count(reports)  # type: ignore[arg-type]
+    assert counters["cascade_steps"] == 43 and counters["preemptions"] == 1
+    assert counters["released_blocks"] == 3
+    assert counters["requests|reused"] == 2 and counters["requests|no_reuse"] == 1
+    from kmesh_blend.vllm.stats import COUNTERS
+
+    assert {"cascade_steps", "preemptions"} <= set(COUNTERS)  # registered on /metrics
