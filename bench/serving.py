@@ -25,7 +25,7 @@ Exactness: with reuse at recompute ratio 1.0 (fp32), the first requests (one at 
 compared from the client's saved ``generated_texts``.
 
 ``--quick``: 2 families × 3 agents, 300–500-token documents, 8 tokens, two rates (≤ 10 min).
-Full: 8 families × 5 agents, 900–1,600-token documents, 32 tokens, rates 0.075–0.6 requests/s.
+Full: 8 families × 5 agents, 900–1,600-token documents, 32 tokens, rates 0.075–0.9 requests/s.
 ``--write-workload F``: only write the JSONL (docs/serving.md runs the client on it by hand).
 
 Run: python bench/serving.py [--quick] [--rates 0.1,0.2] [--engines stock,kmesh]
@@ -191,7 +191,7 @@ def main() -> None:
         families, agents, docs, tokens, rates, exact = 2, 3, (300, 500), 8, [0.3, 1.0], 3
     else:
         families, agents, docs, tokens, rates, exact = 8, 5, (900, 1600), 32, [
-            0.075, 0.15, 0.3, 0.6], 10  # fmt: skip
+            0.075, 0.15, 0.3, 0.6, 0.9], 10  # fmt: skip
     rates, exact = args.rates or rates, args.exact_requests or exact
     from transformers import AutoTokenizer
 
