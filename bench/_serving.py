@@ -265,3 +265,12 @@ def parse_rates(text: str) -> list[float]:
     if not rates or any(not 0 < r < float("inf") for r in rates):
         raise argparse.ArgumentTypeError(f"--rates: positive finite numbers, got {text!r}")
     return sorted(rates)
+
+
+def attn_isa(dtype: str, block_size: int, head_size: int = 64) -> str:
+    """The kernel vLLM's CPU attention picks on this machine for these shapes (``amx``, ``vec``,
+    ``vec16``, …): figures move with it, so results name it."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(getattr(torch, dtype), block_size, head_size))

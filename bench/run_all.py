@@ -230,6 +230,10 @@ def _serving_rows(result: dict) -> list[str]:
     cfg = result["config"]
     cpu = cfg.get("cpu", {})
     isa = "AMX" if cpu.get("amx_tile") else "AVX-512 BF16" if cpu.get("avx512_bf16") else "AVX2"
+    if cfg.get("attn_isa"):
+        isa += f", vLLM attention kernel {cfg['attn_isa']}"
+    if cfg.get("kv_blocks"):
+        isa += f", KV budget {cfg['kv_blocks']} blocks"
     rows = [
         f"{'Quick' if result['quick'] else 'Full'} run of `bench/serving.py` on {cpu.get('model')}"
         f" ({cpu.get('cores')} cores, {isa}): {cfg['families']} families × {cfg['agents']} "

@@ -26,7 +26,9 @@ compared from the client's saved ``generated_texts``.
 
 ``--quick``: 2 families × 3 agents, 300–500-token documents, 8 tokens, two rates (≤ 10 min).
 Full: 8 families × 5 agents, 900–1,600-token documents, 32 tokens, rates 0.075–0.9 requests/s.
-``--write-workload F``: only write the JSONL (docs/serving.md runs the client on it by hand).
+``--kv-blocks N``: every engine gets a KV budget of N blocks (``--num-gpu-blocks-override``), the
+result is ``serving_kvN``. ``--write-workload F``: only write the JSONL (docs/load.md runs the
+client on it by hand). Results name the CPU and vLLM's attention kernel (``config.attn_isa``).
 
 Run: python bench/serving.py [--quick] [--rates 0.1,0.2] [--engines stock,kmesh]
 """
@@ -46,6 +48,7 @@ from _serving import (
     Server,
     Workload,
     agent_families,
+    attn_isa,
     client_argv,
     parse_rates,
     run_client,
@@ -60,15 +63,22 @@ ENGINES: dict[str, dict[str, Any] | None] = {
 }
 SLO = {"ttft": 3000.0, "tpot": 250.0}  # ms, the client's --goodput
 WITHIN = 0.9  # share of requests within the SLO for a rate to count as sustained
+BLOCK_SIZE = 128  # vLLM's CPU backend default, which every engine here keeps
 WARM_UP = "Say hello.<file_sep>A short note to warm the server up.<file_sep>Reply with one word."
 
 
-def engine_args(dtype: str, settings: dict[str, Any] | None, separator: int) -> list[str]:
-    """The server's arguments: the same for every engine but the connector's."""
+def engine_args(
+    dtype: str, settings: dict[str, Any] | None, separator: int, kv_blocks: int | None = None
+) -> list[str]:
+    """The server's arguments: the same for every engine but the connector's. ``kv_blocks``: a
+    tight KV budget (vLLM's ``--num-gpu-blocks-override``; the CPU backend's blocks hold
+    `BLOCK_SIZE` tokens)."""
     import json
 
     args = ["--dtype", dtype, "--max-model-len", "4096", "--enforce-eager", "--seed", "0",
             "--enable-prefix-caching", "--no-enable-log-requests"]  # fmt: skip
+    if kv_blocks is not None:
+        args += ["--num-gpu-blocks-override", str(kv_blocks)]
     if settings is not None:
         extra = {"kmesh.store": "cpu", "kmesh.separator": [separator],
                  **{f"kmesh.{k}": v for k, v in settings.items()}}  # fmt: skip
@@ -183,6 +193,7 @@ def main() -> None:
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset")
     parser.add_argument("--exact-requests", type=int, help="requests in the fp32 check")
     parser.add_argument("--write-workload", type=Path, help="only write the JSONL here")
+    parser.add_argument("--kv-blocks", type=int, help="tight KV budget in blocks (all engines)")
     args = parser.parse_args()
     engines = [e for e in args.engines.split(",") if e]
     if unknown := set(engines) - set(ENGINES):
@@ -214,17 +225,17 @@ def main() -> None:
         for engine in progress(engines, "engines"):
             for rate in progress(rates, f"{engine} rates"):
                 name = f"{engine}_r{rate:g}"
-                result, counters = one_run(model, engine_args("bfloat16", ENGINES[engine], sep),
-                                           dataset, rate, out, name)  # fmt: skip
+                server_args = engine_args("bfloat16", ENGINES[engine], sep, args.kv_blocks)
+                result, counters = one_run(model, server_args, dataset, rate, out, name)
                 table[engine][rate] = {**figures(result, work), "server": counters}
                 print(name, table[engine][rate], file=sys.stderr, flush=True)
         check = exactness(model, dataset, exact, sep, out) if "kmesh" in engines else None
-    emit(summary(table, check, work, allocator, args.quick))
+    emit(summary(table, check, work, allocator, args.quick, args.kv_blocks))
 
 
 def summary(
     table: dict[str, dict[float, dict[str, Any]]], check: dict[str, Any] | None,
-    work: Workload, allocator: str, quick: bool,
+    work: Workload, allocator: str, quick: bool, kv_blocks: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The result line, and the plot beside it."""
     best = {engine: sustained(rows) for engine, rows in table.items()}
@@ -236,7 +247,7 @@ def summary(
         kmesh_best = best["kmesh"] or 0.0
         value = round(kmesh_best / at, 3)
         ratio_ttft = round(table["kmesh"][at]["p99_ttft_ms"] / table["stock"][at]["p99_ttft_ms"], 3)
-    name = "serving"
+    name = "serving" if kv_blocks is None else f"serving_kv{kv_blocks}"
     n = len(work.rows)
     title = (
         f"{len(set(work.family))} families x {max(work.agent) + 1} agents, SmolLM2 bf16, "
@@ -254,6 +265,8 @@ def summary(
         "config": {
             "model": "SmolLM2-135M-Instruct (bf16)", "client": "vllm.benchmarks.serve",
             "slo_ms": SLO, "sustained_share": WITHIN, "allocator": allocator,
+            "attn_isa": attn_isa("bfloat16", BLOCK_SIZE), "block_size": BLOCK_SIZE,
+            "kv_blocks": kv_blocks,
             "families": len(set(work.family)), "agents": max(work.agent) + 1, "requests": n,
             "document_tokens": list(work.document_tokens),
             "output_tokens": work.rows[0]["output_tokens"],

@@ -83,6 +83,17 @@ def test_the_client_gets_vllms_own_flags(tmp_path: Path) -> None:
     assert args.request_rate == 0.3 and args.dataset_name == "custom" and args.disable_shuffle
 
 
+def test_engines_differ_only_in_the_connector() -> None:
+    stock = serving.engine_args("bfloat16", None, 5)
+    share = serving.engine_args("bfloat16", serving.ENGINES["kmesh_share"], 5, kv_blocks=64)
+    assert "--kv-transfer-config" not in stock and "--enable-prefix-caching" in stock
+    at = share.index("--kv-transfer-config")
+    assert share[:at] == [*stock, "--num-gpu-blocks-override", "64"]
+    extra = json.loads(share[at + 1])["kv_connector_extra_config"]
+    assert extra == {"kmesh.store": "cpu", "kmesh.separator": [5], "kmesh.cascade_decode": True,
+                     "kmesh.share_kv_memory": True}  # fmt: skip
+
+
 def test_a_rate_is_sustained_only_with_every_lower_one() -> None:
     rows = {0.1: {"within_slo": 0.95}, 0.2: {"within_slo": 0.85}, 0.4: {"within_slo": 0.92}}
     assert serving.sustained(rows) == 0.1
@@ -124,6 +135,7 @@ def test_quick_run_through_real_servers_and_vllms_client() -> None:
     assert result["name"] == "serving" and result["quick"] is True
     config = result["config"]
     assert config["client"] == "vllm.benchmarks.serve" and config["cpu"]["model"]
+    assert config["attn_isa"] in {"amx", "vec", "vec16"} and config["kv_blocks"] is None
     engines = config["engines"]
     assert set(engines) == {"stock", "kmesh", "kmesh_share"}
     n = config["requests"]
