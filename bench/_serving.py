@@ -30,7 +30,7 @@ import torch
 from kmesh_blend.quality.chat import PROSE_TOPICS
 from kmesh_blend.quality.text import reference_text
 from kmesh_blend.testing.fleet import metric_sum
-from kmesh_blend.testing.services import free_port, stop
+from kmesh_blend.testing.services import free_port, stop, wait_healthy
 
 SEPARATOR = "<file_sep>"
 STAGGER = 2  # a family starts every STAGGER agent slots
@@ -140,7 +140,7 @@ class Server:
                                           env=self._env())  # fmt: skip
         self.url = f"http://127.0.0.1:{port}"
         try:
-            self._wait_healthy(t0 + 600)
+            wait_healthy(self.url, self._proc, self.log, "the server")
         except BaseException:
             self.__exit__()
             raise
@@ -159,20 +159,6 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None:
             stop(self._proc, grace_s=30)
-
-    def _wait_healthy(self, deadline: float) -> None:
-        assert self._proc is not None
-        while True:
-            if self._proc.poll() is not None:
-                tail = self.log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"the server exited at start ({self.log}):\n{tail}")
-            try:
-                urllib.request.urlopen(f"{self.url}/health", timeout=5).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server was not healthy in time ({self.log})") from None
-                time.sleep(1)
 
     def complete(self, prompt: str, max_tokens: int) -> dict[str, Any]:
         """One greedy ``/v1/completions`` call (warm-up; no figure comes from it)."""

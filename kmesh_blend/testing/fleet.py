@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kmesh_blend.testing.engine import kv_transfer_config
-from kmesh_blend.testing.services import free_port, start_redis, stop, wait_port
+from kmesh_blend.testing.services import free_port, start_redis, stop, wait_healthy, wait_port
 
 __all__ = ["Fleet", "metric_sum"]
 
@@ -115,19 +115,8 @@ class Fleet:
         finally:
             log.close()  # the child keeps its own descriptor
 
-    def _wait_healthy(self, name: str, url: str, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self._procs[name].poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited at start:\n{tail}")
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=5).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} not healthy after {timeout_s:.0f} s") from None
-                time.sleep(1)
+    def _wait_healthy(self, name: str, url: str) -> None:
+        wait_healthy(url, self._procs[name], self.log_dir / f"{name}.log", name)
 
     def post(
         self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,

@@ -1,6 +1,6 @@
-"""Local service processes for tests, examples and benchmarks: free ports, waiting for a port,
-stopping a process, and a throwaway ``redis-server`` (from the Debian package that
-``scripts/services.sh`` installs)."""
+"""Local service processes for tests, examples and benchmarks: free ports, waiting for a port or
+a vLLM server's health, stopping a process, and a throwaway ``redis-server`` (from the Debian
+package that ``scripts/services.sh`` installs)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.request
+from pathlib import Path
 
-__all__ = ["free_port", "start_redis", "stop", "wait_port"]
+__all__ = ["free_port", "start_redis", "stop", "wait_healthy", "wait_port"]
 
 
 def free_port() -> int:
@@ -33,6 +35,25 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -
         except OSError:
             time.sleep(0.1)
     raise RuntimeError(f"nothing listened on 127.0.0.1:{port} within {timeout} s")
+
+
+def wait_healthy(
+    url: str, proc: subprocess.Popen[bytes], log: Path, name: str, timeout_s: float = 600.0
+) -> None:
+    """Return once ``url``/health answers; raise with the tail of ``log`` if ``proc`` (the
+    server ``name``) exits first, or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{name} exited at start ({log}):\n{tail}")
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=5).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not healthy after {timeout_s:.0f} s ({log})") from None
+            time.sleep(1)
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
