@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -159,6 +160,12 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None:
             stop(self._proc, grace_s=30)
+
+    def worker_cores(self) -> list[int]:
+        """The cores vLLM bound its worker's threads to, from its start-up log (empty when it
+        logged none)."""
+        found = re.findall(r"local_rank=0, core ids=\[([0-9, ]*)\]", self.log.read_text())
+        return [int(c) for c in found[-1].split(",") if c.strip()] if found else []
 
     def complete(self, prompt: str, max_tokens: int) -> dict[str, Any]:
         """One greedy ``/v1/completions`` call (warm-up; no figure comes from it)."""

@@ -25,7 +25,7 @@ Exactness: with reuse at recompute ratio 1.0 (fp32), the first requests (one at 
 compared from the client's saved ``generated_texts``.
 
 ``--quick``: 2 families × 3 agents, 300–500-token documents, 8 tokens, two rates (≤ 10 min).
-Full: 8 families × 5 agents, 900–1,600-token documents, 32 tokens, rates 0.075–0.9 requests/s.
+Full: 6 families × 5 agents, 900–1,600-token documents, 32 tokens, rates 0.075–0.9 requests/s.
 ``--kv-blocks N``: every engine gets a KV budget of N blocks (``--num-gpu-blocks-override``), the
 result is ``serving_kvN``. ``--write-workload F``: only write the JSONL (docs/load.md runs the
 client on it by hand). Results name the CPU and vLLM's attention kernel (``config.attn_isa``).
@@ -63,6 +63,10 @@ ENGINES: dict[str, dict[str, Any] | None] = {
 }
 SLO = {"ttft": 3000.0, "tpot": 250.0}  # ms, the client's --goodput
 WITHIN = 0.9  # share of requests within the SLO for a rate to count as sustained
+# Every server's worker gets the same cores. vLLM's CPU auto-binding reserves one core for its
+# scheduler process, and one more whenever a kv_transfer_config is set: on 2 cores it then
+# reserves none and a KMesh server's worker would run on both cores where stock's runs on one.
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 BLOCK_SIZE = 128  # vLLM's CPU backend default, which every engine here keeps
 WARM_UP = "Say hello.<file_sep>A short note to warm the server up.<file_sep>Reply with one word."
 
@@ -94,7 +98,7 @@ def one_run(
 ) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
     """A fresh server, one warm-up request, then vLLM's client at ``rate``: (the client's saved
     result, the server's counters after it)."""
-    with Server(model, args, out / f"{name}.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as server:
+    with Server(model, args, out / f"{name}.log", env=ENV) as server:
         server.complete(WARM_UP, 4)
         argv = client_argv(server.url, model, dataset, rate, out, name, SLO,
                            max_concurrency=max_concurrency)  # fmt: skip
@@ -102,6 +106,7 @@ def one_run(
             result = run_client(argv)
         counters = server_counters(server.metrics())
         counters["server_start_s"] = round(server.start_s, 1)
+        counters["worker_cores"] = server.worker_cores()
     return result, counters
 
 
@@ -201,7 +206,7 @@ def main() -> None:
     if args.quick:
         families, agents, docs, tokens, rates, exact = 2, 3, (300, 500), 8, [0.3, 1.0], 3
     else:
-        families, agents, docs, tokens, rates, exact = 8, 5, (900, 1600), 32, [
+        families, agents, docs, tokens, rates, exact = 6, 5, (900, 1600), 32, [
             0.075, 0.15, 0.3, 0.6, 0.9], 10  # fmt: skip
     rates, exact = args.rates or rates, args.exact_requests or exact
     from transformers import AutoTokenizer
@@ -219,6 +224,7 @@ def main() -> None:
     sep = separator_id(tokenizer)
     RESULTS.mkdir(parents=True, exist_ok=True)
     table: dict[str, dict[float, dict[str, Any]]] = {e: {} for e in engines}
+    cores: dict[str, str] = {}  # worker cores → the first run that had them
     with tempfile.TemporaryDirectory(prefix="kmesh-serving-") as tmp:
         out = Path(tmp)
         dataset = work.write(out / "agents.jsonl")
@@ -228,6 +234,9 @@ def main() -> None:
                 server_args = engine_args("bfloat16", ENGINES[engine], sep, args.kv_blocks)
                 result, counters = one_run(model, server_args, dataset, rate, out, name)
                 table[engine][rate] = {**figures(result, work), "server": counters}
+                cores.setdefault(str(counters["worker_cores"]), name)
+                if len(cores) > 1:  # figures of workers on different cores do not compare
+                    raise RuntimeError(f"worker cores differ between runs: {cores}")
                 print(name, table[engine][rate], file=sys.stderr, flush=True)
         check = exactness(model, dataset, exact, sep, out) if "kmesh" in engines else None
     emit(summary(table, check, work, allocator, args.quick, args.kv_blocks))
@@ -266,6 +275,7 @@ def summary(
             "model": "SmolLM2-135M-Instruct (bf16)", "client": "vllm.benchmarks.serve",
             "slo_ms": SLO, "sustained_share": WITHIN, "allocator": allocator,
             "attn_isa": attn_isa("bfloat16", BLOCK_SIZE), "block_size": BLOCK_SIZE,
+            "server_env": ENV,
             "kv_blocks": kv_blocks,
             "families": len(set(work.family)), "agents": max(work.agent) + 1, "requests": n,
             "document_tokens": list(work.document_tokens),

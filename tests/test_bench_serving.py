@@ -166,6 +166,10 @@ def test_quick_run_through_real_servers_and_vllms_client() -> None:
     assert exact["reused_tokens"] > 0, "the ratio-1.0 engine reused nothing: no exactness shown"
     assert exact["identical"] == exact["requests"] == 3, exact["answers"]
     assert set(config["sustained_rate"]) == set(engines)
+    cores = {
+        str(row["server"]["worker_cores"]) for rows in engines.values() for row in rows.values()
+    }
+    assert len(cores) == 1 and cores != {"[]"}, cores  # every worker on the same cores
     if result["value"] is not None:
         assert result["value"] >= 0 and config["p99_ttft_at_stock_rate"] > 0
     assert (BENCH / "results" / "quick" / "serving.png").stat().st_size > 10_000
