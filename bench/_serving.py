@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -267,3 +268,39 @@ def attn_isa(dtype: str, block_size: int, head_size: int = 64) -> str:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return str(_get_attn_isa(getattr(torch, dtype), block_size, head_size))
+
+
+@dataclass
+class Runs:
+    """Every run's result as vLLM's client saved it (``NAME.json``) and the server's counters
+    after it (``NAME.server.json``), kept in ``folder`` beside the summary. With ``replay`` a
+    run kept there is read back instead of run again (the summary computed anew from kept runs,
+    or a run that stopped part-way finished); the others are run and kept."""
+
+    folder: Path
+    replay: bool = False
+
+    def get(
+        self, name: str, run: Callable[[], tuple[dict[str, Any], dict[str, Any]]]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        client, server = self.folder / f"{name}.json", self.folder / f"{name}.server.json"
+        if self.replay and client.exists() and server.exists():
+            return json.loads(client.read_text()), json.loads(server.read_text())
+        result, counters = run()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        client.write_text(json.dumps(result))
+        server.write_text(json.dumps(counters))
+        return result, counters
+
+
+def within(result: dict[str, Any], ttft_s: float, tpot_s: float) -> float:
+    """The share of a run's requests that met TTFT ≤ ``ttft_s`` and time per output token ≤
+    ``tpot_s``, from the client's per-request figures (its own goodput rule: a failed request
+    misses, one output token has no TPOT)."""
+    good = 0
+    per_request = zip(result["ttfts"], result["latencies"], result["output_lens"],
+                      result["errors"], strict=True)  # fmt: skip
+    for ttft, latency, out, error in per_request:
+        tpot = (latency - ttft) / (out - 1) if out > 1 else 0.0
+        good += not error and ttft <= ttft_s and tpot <= tpot_s
+    return good / len(result["ttfts"])

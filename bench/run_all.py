@@ -260,6 +260,18 @@ def _serving_rows(result: dict) -> list[str]:
     bound = " (a lower bound: stock sustains none of the rates)" if cfg[
         "stock_below_lowest_rate"] else ""  # fmt: skip
     exact = cfg.get("exactness") or {}
+    sweep = cfg.get("sustained_rate_by_ttft_s") or {}
+    if sweep:
+        rows += [
+            "",
+            "The same runs under other TTFT bounds (TPOT as above; from the client's per-request "
+            "figures), highest rate sustained: "
+            + "; ".join(
+                f"TTFT ≤ {t} s: " + ", ".join(f"{e} {r}" for e, r in by.items())
+                for t, by in sweep.items()
+            )
+            + ".",
+        ]
     rows += [
         "",
         f"Highest rate sustained (≥ {cfg['sustained_share']:.0%} of requests within the SLO there "

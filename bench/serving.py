@@ -26,7 +26,9 @@ compared from the client's saved ``generated_texts``.
 
 ``--quick``: 2 families × 3 agents, 300–500-token documents, 8 tokens, two rates (≤ 10 min).
 Full: 6 families × 5 agents, 900–1,600-token documents, 32 tokens, rates 0.075–0.9 requests/s.
-``--kv-blocks N``: every engine gets a KV budget of N blocks (``--num-gpu-blocks-override``), the
+Each run's client result and server counters are kept in ``bench/results/serving_runs/``
+(``--from-results DIR`` reuses the runs kept in DIR and runs the others). ``--kv-blocks N``:
+every engine gets a KV budget of N blocks (``--num-gpu-blocks-override``), the
 result is ``serving_kvN``. ``--write-workload F``: only write the JSONL (docs/load.md runs the
 client on it by hand). Results name the CPU and vLLM's attention kernel (``config.attn_isa``).
 
@@ -45,6 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, emit, progress, use_allocator
 from _serving import (
+    Runs,
     Server,
     Workload,
     agent_families,
@@ -54,6 +57,7 @@ from _serving import (
     run_client,
     separator_id,
     server_counters,
+    within,
 )
 
 ENGINES: dict[str, dict[str, Any] | None] = {
@@ -62,6 +66,7 @@ ENGINES: dict[str, dict[str, Any] | None] = {
     "kmesh_share": {"cascade_decode": True, "share_kv_memory": True},
 }
 SLO = {"ttft": 3000.0, "tpot": 250.0}  # ms, the client's --goodput
+TTFT_SWEEP_S = (3.0, 5.0, 10.0)  # other TTFT bounds (TPOT as SLO), from per-request figures
 WITHIN = 0.9  # share of requests within the SLO for a rate to count as sustained
 # Every server's worker gets the same cores. vLLM's CPU auto-binding reserves one core for its
 # scheduler process, and one more whenever a kv_transfer_config is set: on 2 cores it then
@@ -129,6 +134,9 @@ def figures(result: dict[str, Any], work: Workload) -> dict[str, Any]:
         "output_throughput": round(result["output_throughput"], 2),
         "request_goodput": round(result.get("request_goodput") or 0.0, 4),
         "within_slo": round(good / n, 4),
+        "within_ttft_s": {
+            f"{t:g}": round(within(result, t, SLO["tpot"] / 1000), 4) for t in TTFT_SWEEP_S
+        },
         "families_per_min": round(60 * len(families) / result["duration"], 3),
         **latency,
         "median_ttft_reader_ms": _median_ms(readers),
@@ -140,17 +148,22 @@ def _median_ms(seconds: list[float]) -> float:
     return round(1000 * sorted(seconds)[len(seconds) // 2], 1) if seconds else float("nan")
 
 
-def sustained(rows: dict[float, dict[str, Any]]) -> float | None:
-    """The highest rate at which, and at every lower one, ≥ `WITHIN` of requests met the SLO."""
+def sustained(rows: dict[float, dict[str, Any]], ttft_s: float | None = None) -> float | None:
+    """The highest rate at which, and at every lower one, ≥ `WITHIN` of requests met the SLO
+    (``ttft_s``: with that TTFT bound instead, one of `TTFT_SWEEP_S`)."""
     best = None
     for rate in sorted(rows):
-        if rows[rate]["within_slo"] < WITHIN:
+        row = rows[rate]
+        share = row["within_slo"] if ttft_s is None else row["within_ttft_s"][f"{ttft_s:g}"]
+        if share < WITHIN:
             break
         best = rate
     return best
 
 
-def exactness(model: str, dataset: Path, first: int, separator: int, out: Path) -> dict[str, Any]:
+def exactness(
+    model: str, dataset: Path, first: int, separator: int, out: Path, runs: Runs
+) -> dict[str, Any]:
     """Stock vs KMesh at recompute ratio 1.0, fp32, the first ``first`` requests one at a time:
     the answers the client received, compared."""
     rows = dataset.read_text().splitlines(keepends=True)[:first]
@@ -159,8 +172,9 @@ def exactness(model: str, dataset: Path, first: int, separator: int, out: Path) 
     texts, counters = {}, {}
     for label, settings in (("stock", None), ("kmesh", {"recompute_ratio": 1.0})):
         args = engine_args("float32", settings, separator)
-        result, counters[label] = one_run(model, args, head, 100.0, out, f"exact_{label}",
-                                          max_concurrency=1)  # fmt: skip
+        name = f"exact_{label}"
+        result, counters[label] = runs.get(name, lambda a=args, n=name: one_run(
+            model, a, head, 100.0, out, n, max_concurrency=1))  # fmt: skip
         texts[label] = result["generated_texts"]
     same = sum(a == b for a, b in zip(texts["stock"], texts["kmesh"], strict=True))
     return {"requests": first, "identical": same, "dtype": "float32", "recompute_ratio": 1.0,
@@ -199,6 +213,7 @@ def main() -> None:
     parser.add_argument("--exact-requests", type=int, help="requests in the fp32 check")
     parser.add_argument("--write-workload", type=Path, help="only write the JSONL here")
     parser.add_argument("--kv-blocks", type=int, help="tight KV budget in blocks (all engines)")
+    parser.add_argument("--from-results", type=Path, help="reuse the runs kept here, run the rest")
     args = parser.parse_args()
     engines = [e for e in args.engines.split(",") if e]
     if unknown := set(engines) - set(ENGINES):
@@ -223,6 +238,10 @@ def main() -> None:
     allocator = use_allocator("tcmalloc")
     sep = separator_id(tokenizer)
     RESULTS.mkdir(parents=True, exist_ok=True)
+    folder = RESULTS / (
+        "serving_runs" if args.kv_blocks is None else f"serving_kv{args.kv_blocks}_runs"
+    )
+    runs = Runs(args.from_results or folder, replay=args.from_results is not None)
     table: dict[str, dict[float, dict[str, Any]]] = {e: {} for e in engines}
     cores: dict[str, str] = {}  # worker cores → the first run that had them
     with tempfile.TemporaryDirectory(prefix="kmesh-serving-") as tmp:
@@ -232,13 +251,14 @@ def main() -> None:
             for rate in progress(rates, f"{engine} rates"):
                 name = f"{engine}_r{rate:g}"
                 server_args = engine_args("bfloat16", ENGINES[engine], sep, args.kv_blocks)
-                result, counters = one_run(model, server_args, dataset, rate, out, name)
+                result, counters = runs.get(name, lambda a=server_args, r=rate, n=name: one_run(
+                    model, a, dataset, r, out, n))  # fmt: skip
                 table[engine][rate] = {**figures(result, work), "server": counters}
                 cores.setdefault(str(counters["worker_cores"]), name)
                 if len(cores) > 1:  # figures of workers on different cores do not compare
                     raise RuntimeError(f"worker cores differ between runs: {cores}")
                 print(name, table[engine][rate], file=sys.stderr, flush=True)
-        check = exactness(model, dataset, exact, sep, out) if "kmesh" in engines else None
+        check = exactness(model, dataset, exact, sep, out, runs) if "kmesh" in engines else None
     emit(summary(table, check, work, allocator, args.quick, args.kv_blocks))
 
 
@@ -281,6 +301,8 @@ def summary(
             "document_tokens": list(work.document_tokens),
             "output_tokens": work.rows[0]["output_tokens"],
             "sustained_rate": best, "stock_below_lowest_rate": stock_best is None,
+            "sustained_rate_by_ttft_s": {f"{t:g}": {e: sustained(rows, t) for e, rows in
+                                                    table.items()} for t in TTFT_SWEEP_S},
             "p99_ttft_at_stock_rate": ratio_ttft, "p99_ttft_goal": 0.5,
             "exactness": check,
             "engines": {e: {f"{r:g}": row for r, row in rows.items()} for e, rows in table.items()},

@@ -116,6 +116,31 @@ def test_server_counters_and_fallback_reasons() -> None:
     assert got["fallbacks_by_reason"] == {"bad annotation": 1.0, "load error": 1.0}
 
 
+def test_slo_share_follows_the_clients_goodput_rule() -> None:
+    result = {"ttfts": [1.0, 2.5, 4.0, 0.5], "latencies": [2.0, 3.0, 5.0, 9.0],
+              "output_lens": [11, 11, 11, 9], "errors": ["", "", "", ""]}  # fmt: skip
+    # TPOT: 0.1, 0.05, 0.1 and 1.06 s
+    assert _serving.within(result, 3.0, 0.25) == 0.5
+    assert _serving.within(result, 5.0, 0.25) == 0.75
+    assert _serving.within(result, 5.0, 2.0) == 1.0
+    result["errors"][0] = "timeout"
+    assert _serving.within(result, 5.0, 2.0) == 0.75
+
+
+def test_kept_runs_are_reused_only_when_asked(tmp_path: Path) -> None:
+    calls = []
+
+    def run() -> tuple[dict[str, Any], dict[str, Any]]:
+        calls.append(1)
+        return {"n": len(calls)}, {"c": 1}
+
+    assert _serving.Runs(tmp_path).get("a", run)[0] == {"n": 1}
+    assert _serving.Runs(tmp_path).get("a", run)[0] == {"n": 2}  # a new run measures again
+    assert _serving.Runs(tmp_path, replay=True).get("a", run)[0] == {"n": 2}  # kept
+    assert _serving.Runs(tmp_path, replay=True).get("b", run)[0] == {"n": 3}  # missing: run
+    assert json.loads((tmp_path / "b.server.json").read_text()) == {"c": 1}
+
+
 def test_rates_are_parsed_and_checked() -> None:
     assert _serving.parse_rates("0.3,0.1") == [0.1, 0.3]
     for bad in ("", "x", "0", "-1", "inf"):
@@ -145,6 +170,10 @@ def test_quick_run_through_real_servers_and_vllms_client() -> None:
             where = f"{engine} at {rate}"
             assert row["completed"] == n and row["failed"] == 0, where
             assert 0 <= row["within_slo"] <= 1 and row["request_throughput"] > 0, where
+            # the per-request recount at the stated SLO is the client's own goodput
+            assert row["within_ttft_s"]["3"] == pytest.approx(row["within_slo"], abs=1e-3), where
+            assert row["within_ttft_s"]["3"] <= row["within_ttft_s"]["5"] <= row[
+                "within_ttft_s"]["10"], where  # fmt: skip
             assert row["families_per_min"] > 0 and row["output_throughput"] > 0, where
             assert 0 < row["median_ttft_ms"] <= row["p99_ttft_ms"], where
             assert 0 < row["median_itl_ms"] <= row["p99_itl_ms"], where
