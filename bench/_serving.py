@@ -278,6 +278,7 @@ class Runs:
     or a run that stopped part-way finished); the others are run and kept."""
 
     folder: Path
+    platform: dict[str, Any]  # the CPU and vLLM's attention kernel, written into every kept file
     replay: bool = False
 
     def get(
@@ -288,8 +289,8 @@ class Runs:
             return json.loads(client.read_text()), json.loads(server.read_text())
         result, counters = run()
         self.folder.mkdir(parents=True, exist_ok=True)
-        client.write_text(json.dumps(result))
-        server.write_text(json.dumps(counters))
+        client.write_text(json.dumps({**result, "platform": self.platform}))
+        server.write_text(json.dumps({**counters, "platform": self.platform}))
         return result, counters
 
 

@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, emit, progress, use_allocator
+from _common import RESULTS, cpu_flags, emit, progress, use_allocator
 from _serving import (
     Runs,
     Server,
@@ -59,6 +60,8 @@ from _serving import (
     server_counters,
     within,
 )
+
+from kmesh_blend.testing.engine import kv_transfer_config
 
 ENGINES: dict[str, dict[str, Any] | None] = {
     "stock": None,
@@ -82,17 +85,12 @@ def engine_args(
     """The server's arguments: the same for every engine but the connector's. ``kv_blocks``: a
     tight KV budget (vLLM's ``--num-gpu-blocks-override``; the CPU backend's blocks hold
     `BLOCK_SIZE` tokens)."""
-    import json
-
     args = ["--dtype", dtype, "--max-model-len", "4096", "--enforce-eager", "--seed", "0",
             "--enable-prefix-caching", "--no-enable-log-requests"]  # fmt: skip
     if kv_blocks is not None:
         args += ["--num-gpu-blocks-override", str(kv_blocks)]
     if settings is not None:
-        extra = {"kmesh.store": "cpu", "kmesh.separator": [separator],
-                 **{f"kmesh.{k}": v for k, v in settings.items()}}  # fmt: skip
-        config = {"kv_connector": "KMeshConnector", "kv_connector_module_path": "kmesh_blend.vllm",
-                  "kv_role": "kv_both", "kv_connector_extra_config": extra}  # fmt: skip
+        config = kv_transfer_config(store="cpu", separator=[separator], **settings)
         args += ["--kv-transfer-config", json.dumps(config)]
     return args
 
@@ -241,7 +239,8 @@ def main() -> None:
     folder = RESULTS / (
         "serving_runs" if args.kv_blocks is None else f"serving_kv{args.kv_blocks}_runs"
     )
-    runs = Runs(args.from_results or folder, replay=args.from_results is not None)
+    platform = {"cpu": cpu_flags(), "attn_isa": attn_isa("bfloat16", BLOCK_SIZE)}
+    runs = Runs(args.from_results or folder, platform, replay=args.from_results is not None)
     table: dict[str, dict[float, dict[str, Any]]] = {e: {} for e in engines}
     cores: dict[str, str] = {}  # worker cores → the first run that had them
     with tempfile.TemporaryDirectory(prefix="kmesh-serving-") as tmp:

@@ -134,11 +134,13 @@ def test_kept_runs_are_reused_only_when_asked(tmp_path: Path) -> None:
         calls.append(1)
         return {"n": len(calls)}, {"c": 1}
 
-    assert _serving.Runs(tmp_path).get("a", run)[0] == {"n": 1}
-    assert _serving.Runs(tmp_path).get("a", run)[0] == {"n": 2}  # a new run measures again
-    assert _serving.Runs(tmp_path, replay=True).get("a", run)[0] == {"n": 2}  # kept
-    assert _serving.Runs(tmp_path, replay=True).get("b", run)[0] == {"n": 3}  # missing: run
-    assert json.loads((tmp_path / "b.server.json").read_text()) == {"c": 1}
+    where = {"attn_isa": "vec"}
+    assert _serving.Runs(tmp_path, where).get("a", run)[0] == {"n": 1}
+    assert _serving.Runs(tmp_path, where).get("a", run)[0] == {"n": 2}  # a new run measures again
+    kept = _serving.Runs(tmp_path, where, replay=True)
+    assert kept.get("a", run)[0] == {"n": 2, "platform": where}  # kept, naming its platform
+    assert kept.get("b", run)[0] == {"n": 3}  # missing: run
+    assert json.loads((tmp_path / "b.server.json").read_text()) == {"c": 1, "platform": where}
 
 
 def test_rates_are_parsed_and_checked() -> None:
