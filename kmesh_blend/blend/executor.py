@@ -62,7 +62,8 @@ class BlendResult(NamedTuple):
     """The blended prefill of one request.
 
     keys / values: per layer [T, Hkv, D] (keys rotated at positions 0..T-1), what the paged KV
-    cache must hold. logits: [1, vocab] fp32 of the last prompt token. recomputed: [T] bool,
+    cache must hold. logits: [1, vocab] fp32 of the last prompt token (None when the request
+    wants no output: `BlendRequest.output`). recomputed: [T] bool,
     reused tokens that were recomputed through the last layer. last_state: the last prompt
     token's output of the last layer, [1, ...] in the model's state format (what its final norm
     and LM head read; the vLLM worker hands it to vLLM's sampler in place of vLLM's own).
@@ -73,7 +74,7 @@ class BlendResult(NamedTuple):
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     recomputed: torch.Tensor
     num_reused: int
     num_recomputed: int
@@ -117,7 +118,7 @@ class RequestBlend:
         own = self.reused.clone() if borrowed is None else self.reused & ~borrowed
         sinks = self._sinks(own, options.sink_tokens)
         self.always = ~self.reused | sinks  # private and gap tokens, and segments' first tokens
-        self.always[-1] = True  # the last prompt token's logits are the output
+        self.always[-1] = request.output  # the last prompt token's logits are the output
         self.num_reused = int(self.reused.sum()) - request.exact_prefix  # segments' tokens only
         ratio = options.recompute_ratio
         ranked = own & ~sinks  # what the deviation ranking chooses from
@@ -209,7 +210,7 @@ class RequestBlend:
         recomputed[self.computed] = True
         recomputed &= self.reused
         last = self.hidden[-1:]
-        logits = self.model.logits(last)
+        logits = self.model.logits(last) if self.request.output else None
         drift = None if self.drift is None else self.drift.last_rows
         return BlendResult(self.keys, self.values, logits, recomputed, self.num_reused,
                            int(recomputed.sum()), last, drift)  # fmt: skip

@@ -51,11 +51,16 @@ class BlendRequest:
     ``exact_prefix``: the first tokens' stored KV is exact at their own positions (vLLM's prefix
     cache): they are never recomputed nor selected. When positive, ``uses[0]`` must span exactly
     [0, exact_prefix) and its source holds that KV.
+
+    ``output``: the last token's output (logits, final state) is wanted, so that token is always
+    computed. False for a blend that stops inside the prompt (vLLM's forward computes the tokens
+    after it): the last token is then selected like any other and no logits are computed.
     """
 
     token_ids: torch.Tensor
     uses: tuple[SegmentUse, ...] = ()
     exact_prefix: int = 0
+    output: bool = True
 
     def __post_init__(self) -> None:
         t = self.token_ids

@@ -155,6 +155,7 @@ def evaluate_chat(
             )
             seconds += time.perf_counter() - start
             for out, ref, request in zip(blended, task_refs, task.requests, strict=True):
+                assert out.logits is not None  # whole-prompt blends: the last token's output
                 rows = continuation_logits(model, out.keys, out.values, out.logits, ref.answer)
                 parts.append(compare(ref.rows, rows, ref.answer))
                 kinds.append(request.kind)

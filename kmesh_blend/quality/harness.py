@@ -166,6 +166,7 @@ def evaluate(
             requests = [task.blend_request(i) for i in range(len(task.requests))]
             blended = blend_group(model, requests, source, options)
             for req, out, row in zip(task.requests, blended, rows, strict=True):
+                assert out.logits is not None  # whole-prompt blends: the last token's output
                 scores = continuation_logits(
                     model, out.keys, out.values, out.logits, req.continuation
                 )

@@ -82,7 +82,10 @@ class SegmentRef:
 
 @dataclass
 class LoadRequest:
-    """Blend this request and write its KV for prompt tokens [first, len(token_ids) − VLLM_TAIL)."""
+    """Blend this request and write its KV for prompt tokens [first, end): ``end`` None is the
+    whole prompt, its last `VLLM_TAIL` tokens through `tails.Tails`; an ``end`` before that is
+    the end of its last reused segment, and vLLM's own forward computes the tokens after it
+    (`scheduler_reuse.blend_end`)."""
 
     req_id: str
     token_ids: list[int]
@@ -96,7 +99,18 @@ class LoadRequest:
     recompute_ratio: float | None = None  # the request's own setting (None: the engine's)
     sink_tokens: int | None = None  # the request's own setting (None: the engine's)
     drift_correction: str | None = None  # the request's own setting (None: the engine's)
+    end: int | None = None  # the blend stops here; vLLM computes the rest (None: whole prompt)
     _slots: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def blend_len(self) -> int:
+        """Prompt tokens the blend computes: [0, blend_len)."""
+        return len(self.token_ids) if self.end is None else self.end
+
+    @property
+    def tail(self) -> int:
+        """Of those, the last ones whose KV is written after vLLM's forward (`tails.Tails`)."""
+        return VLLM_TAIL if self.end is None else 0
 
     def slots(self, block_size: int) -> torch.Tensor:
         """[T] int64: the paged-cache slot of every prompt token (computed once, then carried

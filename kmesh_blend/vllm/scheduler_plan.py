@@ -19,6 +19,7 @@ class Plan:
     loads: list[SegmentRef] = field(default_factory=list)
     saves: list[SegmentRef] = field(default_factory=list)
     first: int = 0
+    end: int | None = None  # the blend stops at this prompt token (None: the whole prompt)
     turn: tuple[str, int] | None = None  # (turn record, its prompt length) to restore
     keep: str | None = None  # turn record to store after the forward
     pending_load: bool = False
@@ -44,5 +45,5 @@ class Plan:
             req_id, self.token_ids, self.blocks, self.loads, self.first, turn=turn,
             turn_len=turn_len, keep=self.keep, family=self.family,
             recompute_ratio=self.options[0], sink_tokens=self.options[1],
-            drift_correction=self.options[2],
+            drift_correction=self.options[2], end=self.end,
         )  # fmt: skip

@@ -5,21 +5,23 @@ from __future__ import annotations
 
 from kmesh_blend.segments.annotation import Annotation
 from kmesh_blend.segments.identity import Namespace
-from kmesh_blend.vllm.meta import VLLM_TAIL
+from kmesh_blend.vllm.meta import VLLM_TAIL, SegmentRef
 from kmesh_blend.vllm.reports import short
 from kmesh_blend.vllm.scheduler_plan import Plan
 from kmesh_blend.vllm.scheduler_segments import SegmentRegistry
 from kmesh_blend.vllm.turn_registry import HEAD, TurnRegistry
 
-__all__ = ["plan_reuse"]
+__all__ = ["blend_end", "plan_reuse"]
 
 
 def plan_reuse(
     plan: Plan, annotation: Annotation, namespace: Namespace, num_computed: int,
     skip_reading: bool, turns: TurnRegistry, segments: SegmentRegistry, round_lifetime: int,
+    recompute_ratio: float,
 ) -> int:  # fmt: skip
-    """Fill ``plan``'s loads, saves and turn; the tokens the worker will provide.
-    ``skip_reading``: vLLM takes no KV for this request (it asked for prompt_logprobs)."""
+    """Fill ``plan``'s loads, saves, turn and blend end; the tokens the worker will provide.
+    ``skip_reading``: vLLM takes no KV for this request (it asked for prompt_logprobs).
+    ``recompute_ratio``: the engine's (the request's own, in ``plan.options``, comes first)."""
     tokens, refs, num_computed_tokens = plan.token_ids, plan.segments, num_computed
     if skip_reading:
         plan.saves = list(refs)  # it computes them exactly: they are stored as usual
@@ -49,4 +51,24 @@ def plan_reuse(
         return 0
     if annotation.keep and len(tokens) >= HEAD:
         plan.keep = turns.keep(namespace, tokens, refs)
-    return len(tokens) - VLLM_TAIL - num_computed_tokens
+    ratio = plan.options[0] if plan.options[0] is not None else recompute_ratio
+    plan.end = blend_end(len(tokens), plan.loads, ratio, plan.keep is not None)
+    end = len(tokens) - VLLM_TAIL if plan.end is None else plan.end
+    return end - num_computed_tokens
+
+
+def blend_end(num_tokens: int, loads: list[SegmentRef], ratio: float, keep: bool) -> int | None:
+    """Where the blend of a prompt of ``num_tokens`` that loads ``loads`` stops: the end of its
+    last loaded segment, or None for the whole prompt.
+
+    Tokens after the last loaded segment reuse nothing: the blend would recompute every one of
+    them, and vLLM's own forward computes them faster (its fused kernels, no per-layer
+    selection) over the blended KV — a reader whose only hit is a short system prompt then costs
+    what stock's prefill does. The blend covers the whole prompt when ``ratio`` is 1.0 (its rows
+    in one batch are bit-equal to stock's full prefill; vLLM's continuation rows round apart)
+    and when the request keeps its turn (``keep``: the record is read right after the load's
+    forward, which must then have computed every prompt token)."""
+    last = max(ref.end for ref in loads)
+    if ratio >= 1.0 or keep or last >= num_tokens - VLLM_TAIL:
+        return None
+    return last

@@ -163,6 +163,7 @@ class SchedulerSide:
             self.turns,
             self.segments,
             self.config.round_lifetime,
+            self.config.recompute_ratio,
         )
         if matched and self.privatizer is not None:
             self.privatizer.privatize(request, num_computed_tokens)

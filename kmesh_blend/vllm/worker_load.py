@@ -111,7 +111,8 @@ def blend_request(load: LoadRequest, masters: Masters,
             segment_id = f"{ref.segment_id}@{cut}"
             masters[segment_id] = Master(master.kv[:, :, cut:], master.positions[cut:])
         uses.append(SegmentUse(start, ref.end, segment_id))
-    return BlendRequest(torch.tensor(load.token_ids), tuple(uses), exact_prefix=first)
+    tokens = torch.tensor(load.token_ids[: load.blend_len])
+    return BlendRequest(tokens, tuple(uses), exact_prefix=first, output=load.end is None)
 
 
 def blend_groups(model: LayerwiseModel, ready: list[tuple[LoadRequest, BlendRequest]],

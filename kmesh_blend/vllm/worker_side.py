@@ -30,7 +30,6 @@ from kmesh_blend.vllm.cascade_attend import EngineKV, Heads
 from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse
 from kmesh_blend.vllm.cascade_install import install as install_cascade
 from kmesh_blend.vllm.meta import (
-    VLLM_TAIL,
     KMeshMetadata,
     KMeshWorkerMetadata,
     LoadRequest,
@@ -226,20 +225,22 @@ class WorkerSide:
     def _blend_and_write(self, ready: list[tuple[LoadRequest, BlendRequest]],
                          masters: Masters) -> None:  # fmt: skip
         # With vLLM's kernel, each layer's KV goes into the paged cache as the blend runs.
-        hooks = [self.kernel.hook(load.block_ids, load.slots(self.block_size), first=load.first)
+        hooks = [self.kernel.hook(load.block_ids, load.slots(self.block_size)[: load.blend_len],
+                                  first=load.first)
                  if self.kernel is not None else None for load, _ in ready]  # fmt: skip
         try:
             assert self.model is not None  # a load is ready only when the blend can run
             results = blend_groups(self.model, ready, masters, self.options, hooks)
             for (load, _), result, hook in zip(ready, results, hooks, strict=True):
-                slots, n = load.slots(self.block_size), len(load.token_ids)
+                slots, n = load.slots(self.block_size), load.blend_len
                 if hook is None and self.paged is not None:
-                    rows = slots[load.first : n - VLLM_TAIL]
+                    rows = slots[load.first : n - load.tail]
                     self.paged.write_layers(self.kv_caches, result.keys, result.values, rows,
                                             load.first)  # fmt: skip
-                final = self.model.final_norm(result.last_state)[0]
-                self.tails.keep(load.req_id, slots[n - VLLM_TAIL :], n - VLLM_TAIL, result.keys,
-                                result.values, final)  # fmt: skip
+                if load.tail:
+                    final = self.model.final_norm(result.last_state)[0]
+                    self.tails.keep(load.req_id, slots[n - load.tail : n], n - load.tail,
+                                    result.keys, result.values, final)  # fmt: skip
                 report = self.out.reports.setdefault(load.req_id, {})
                 report.update(result.report_fields())  # type: ignore[typeddict-item]
                 self._decode_plan(load, masters, report)

@@ -44,8 +44,8 @@ def test_lost_masters_are_unpublished_and_the_failed_request_stores_them() -> No
     side.num_matched(req, 0)
     segment = side.plans["r"].segments[0].segment_id
     side.segments.published.add(segment)
-    assert side.num_matched(_request("f", [[4, 40]]), 0) == 62  # all but the tail
-    side.after_alloc("f", 62)
+    assert side.num_matched(_request("f", [[4, 40]]), 0) == 40  # up to the segment's end
+    side.after_alloc("f", 40)
     side.plans["f"].blocks = [0, 1]  # scheduled
     out = KMeshWorkerMetadata(reports={"f": {"fallback": "load error: miss"}}, lost=[segment])
     side.on_worker_output(out)
@@ -158,8 +158,8 @@ def test_a_preempted_request_keeps_what_it_reused() -> None:
     side.segments.published.add(side.plans["r"].segments[0].segment_id)
     assert side.num_matched(req, 0) == 0  # planned before the segment was stored: same answer
     side.plans.pop("r")
-    assert side.num_matched(req, 0) == 62
-    side.after_alloc(req.request_id, 62)
+    assert side.num_matched(req, 0) == 40
+    side.after_alloc(req.request_id, 40)
     side.plans["r"].blocks = [0, 1]  # scheduled, blended:
     side.on_worker_output(
         KMeshWorkerMetadata(
@@ -174,7 +174,7 @@ def test_a_preempted_request_keeps_what_it_reused() -> None:
         )
     )
     # preempted; asked again: this time its own blocks are in the prefix cache
-    assert side.num_matched(req, 32) == 30
+    assert side.num_matched(req, 32) == 8
     side.on_worker_output(KMeshWorkerMetadata(reports={"r": {
         "reused_tokens": 10, "recomputed_tokens": 4, "storage_reads": 0, "cascade_steps": 2,
         "cascade_off": "its blocks changed (preempted and rescheduled)"}}))  # fmt: skip
@@ -205,14 +205,41 @@ def test_a_resumed_request_is_loaded_into_its_new_blocks() -> None:
     new = SimpleNamespace(req_id="r", block_ids=([0, 1],), num_computed_tokens=0)
     step = _empty_step()
     step.scheduled_new_reqs = [new]
-    assert side.num_matched(req, 0) == 62
-    side.after_alloc(req.request_id, 62)
+    assert side.num_matched(req, 0) == 40
+    side.after_alloc(req.request_id, 40)
     assert [load.block_ids for load in side.build_meta(step_requests(step)).loads] == [[0, 1]]
-    assert side.num_matched(req, 0) == 62  # preempted, asked again
-    side.after_alloc(req.request_id, 62)
+    assert side.num_matched(req, 0) == 40  # preempted, asked again
+    side.after_alloc(req.request_id, 40)
     cached = SimpleNamespace(req_ids=["r"], new_block_ids=[([5, 6],)], num_computed_tokens=[0],
                              resumed_req_ids={"r"})  # fmt: skip
     step = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
                            scheduled_cached_reqs=cached)  # fmt: skip
     loads = side.build_meta(step_requests(step)).loads
     assert [(load.req_id, load.block_ids) for load in loads] == [("r", [5, 6])]
+
+
+@pytest.mark.parametrize(
+    ("spans", "n", "settings", "matched", "end"),
+    [
+        ([[4, 40]], 64, {}, 40, 40),  # vLLM computes the 24 new tokens after the segment
+        ([[4, 20], [30, 40]], 64, {}, 40, 40),  # the last loaded segment bounds the blend
+        ([[4, 62]], 64, {}, 62, None),  # only vLLM's own tail left: the whole prompt
+        ([[4, 40]], 64, {"recompute_ratio": 1.0}, 62, None),  # exact: one batch, stock's bits
+        ([[4, 40]], 64, {"keep": True}, 62, None),  # its turn record needs every prompt token
+    ],
+)
+def test_the_blend_stops_at_the_last_reused_segment(
+    spans: list[list[int]], n: int, settings: dict[str, Any], matched: int, end: int | None
+) -> None:
+    side = _side()
+    side.num_matched(_request("r", spans, n=n), 0)
+    side.segments.published.update(ref.segment_id for ref in side.plans.pop("r").segments)
+    req = _request("f", spans, n=n, **settings)
+    assert side.num_matched(req, 0) == matched
+    side.after_alloc("f", matched)
+    new = SimpleNamespace(req_id="f", block_ids=([0, 1, 2, 3],), num_computed_tokens=0)
+    step = _empty_step()
+    step.scheduled_new_reqs = [new]
+    (load,) = side.build_meta(step_requests(step)).loads
+    assert load.end == end and load.blend_len == (n if end is None else end)
+    assert load.tail == (2 if end is None else 0)  # rows written after vLLM's forward
