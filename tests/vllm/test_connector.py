@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+import kmesh_blend.vllm.scheduler_reuse as scheduler_reuse
 from kmesh_blend.blend import keep_count
 from tests.vllm.family import DOC_LEN, NUM_FOLLOW_UPS, prompts, run_family, run_stock
 
@@ -36,6 +37,33 @@ def test_follow_ups_reuse_the_document() -> None:
         assert report["reused_tokens"] >= DOC_LEN
         assert report["recomputed_tokens"] == keep_count(0.15, DOC_LEN)
         assert len(tokens) == 8
+
+
+def test_a_blend_that_stops_after_the_segment_answers_like_one_over_the_whole_prompt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Below ratio 1.0 the blend stops at the document's end and vLLM's forward computes the
+    question over the blended KV; blending the whole prompt instead gives the same tokens and
+    recomputes the same document tokens (the selection sees only what precedes each token)."""
+    stop, ends = scheduler_reuse.blend_end, []
+
+    def spy(*args: Any) -> int | None:
+        ends.append(stop(*args))
+        return ends[-1]
+
+    monkeypatch.setattr(scheduler_reuse, "blend_end", spy)
+    stopped = run_family(store="cpu", recompute_ratio=0.15)
+    _, spans = prompts()[1]
+    assert ends and ends[0] == spans[0][1]  # the blend stopped at the document's end
+    monkeypatch.setattr(scheduler_reuse, "blend_end", lambda *args: None)
+    whole = run_family(store="cpu", recompute_ratio=0.15)
+    assert [t for t, _ in whole] == [t for t, _ in stopped]
+    pairs = zip(whole[1 : NUM_FOLLOW_UPS + 1], stopped[1 : NUM_FOLLOW_UPS + 1], strict=True)
+    for (_, a), (_, b) in pairs:
+        assert a is not None and b is not None
+        assert a["fallback"] is None and b["fallback"] is None
+        assert (a["reused_tokens"], a["recomputed_tokens"]) == (
+            b["reused_tokens"], b["recomputed_tokens"])  # fmt: skip
 
 
 def test_outputs_identical_across_stores_and_schedules(lm_server: str) -> None:
