@@ -226,12 +226,15 @@ def test_a_resumed_request_is_loaded_into_its_new_blocks() -> None:
         ([[4, 62]], 64, {}, 62, None),  # only vLLM's own tail left: the whole prompt
         ([[4, 40]], 64, {"recompute_ratio": 1.0}, 62, None),  # exact: one batch, stock's bits
         ([[4, 40]], 64, {"keep": True}, 62, None),  # its turn record needs every prompt token
+        ([[4, 40]], 64, {"cascade": True}, 62, None),  # cascade decode: whole prompts
     ],
 )
 def test_the_blend_stops_at_the_last_reused_segment(
     spans: list[list[int]], n: int, settings: dict[str, Any], matched: int, end: int | None
 ) -> None:
     side = _side()
+    if settings.pop("cascade", False):
+        side.config = KMeshConfig(cascade_decode=True)
     side.num_matched(_request("r", spans, n=n), 0)
     side.segments.published.update(ref.segment_id for ref in side.plans.pop("r").segments)
     req = _request("f", spans, n=n, **settings)
