@@ -161,6 +161,11 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None:
             stop(self._proc, grace_s=30)
+        if exc and exc[0] is not None and self.log.exists():
+            # The log lives in the run's temporary folder: what the server said before a failed
+            # run goes to stderr while it still exists.
+            tail = self.log.read_text(errors="replace").splitlines()[-80:]
+            print(f"--- last lines of {self.log.name}:", *tail, sep="\n", file=sys.stderr)
 
     def worker_cores(self) -> list[int]:
         """The cores vLLM bound its worker's threads to, from its start-up log (empty when it

@@ -210,3 +210,16 @@ def test_quick_run_through_real_servers_and_vllms_client() -> None:
     assert rows[0].startswith("Quick run of `bench/serving.py` on ")
     assert sum(line.startswith(("| stock |", "| kmesh")) for line in rows) == 6
     assert "3 of the first 3 answers" in rows[-1]
+
+
+def test_a_failed_run_shows_what_its_server_said_last(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "kmesh_share_r0.9.log"
+    log.write_text("".join(f"line {i}\n" for i in range(100)) + "RuntimeError: cascade broke\n")
+    server = _serving.Server("m", [], log)
+    server.__exit__(None, None, None)  # a run that went well says nothing
+    assert capsys.readouterr().err == ""
+    server.__exit__(RuntimeError, RuntimeError("client"), None)
+    err = capsys.readouterr().err
+    assert "RuntimeError: cascade broke" in err and "line 99" in err and "line 5\n" not in err
