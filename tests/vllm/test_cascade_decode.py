@@ -192,9 +192,12 @@ def test_bf16_families_stay_within_vllms_own_batch_noise() -> None:
 def test_a_failed_self_check_leaves_decode_stock_and_says_why(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kmesh_blend.vllm import cascade_install
+    from kmesh_blend.vllm import cascade_install, scheduler_reuse
 
     monkeypatch.setattr(cascade_install, "_self_check", lambda *a: "forced by the test")
+    # Blends over whole prompts on both engines, as on an engine with cascade decode on
+    # (`scheduler_reuse.blend_end`): the bits then compare.
+    monkeypatch.setattr(scheduler_reuse, "blend_end", lambda *args: None)
     path, doc_len = build_checkpoint(TINY_LLAMA), 300
     on = _serve(path, "float32", "tiny", doc_len, cascade_decode=True)
     off = _serve(path, "float32", "tiny", doc_len, cascade_decode=False)
