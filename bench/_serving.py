@@ -266,6 +266,9 @@ def parse_rates(text: str) -> list[float]:
     return sorted(rates)
 
 
+BLOCK_SIZE = 128  # vLLM's CPU backend default, which the serving benchmarks' engines keep
+
+
 def attn_isa(dtype: str, block_size: int, head_size: int = 64) -> str:
     """The kernel vLLM's CPU attention picks on this machine for these shapes (``amx``, ``vec``,
     ``vec16``, …): figures move with it, so results name it."""

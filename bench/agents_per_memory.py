@@ -4,8 +4,8 @@ Workload: SmolLM2-135M-Instruct (bf16; CPU, in-process engines), the chat prompt
 `follow_up_ttft --model smollm2` (`smollm2_prompts`): one real-text document D of 2,048 tokens
 between each agent's own system prompt/preamble and question. 4 families of 8 agents (32) read
 D; each generates 64 tokens (greedy, ``ignore_eos``). Every engine has the same fixed KV budget:
-``--budget-agents`` (3) agents' worth of vLLM blocks (block size 32), prefix caching on. Three
-engines, one after another (vLLM's KV connector is process-global):
+``--budget-agents`` (3) agents' worth of vLLM blocks (``--block-size``, 32), prefix caching on.
+Three engines, one after another (vLLM's KV connector is process-global):
 
 - stock vLLM: the 32 prompts unannotated;
 - KMesh without sharing: ``kmesh.cascade_decode`` on, ``kmesh.share_kv_memory`` off;
@@ -47,12 +47,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, use_allocator
+from _serving import attn_isa
 from follow_up_ttft import smollm2_prompts
 
 from kmesh_blend.testing.engine import kv_transfer_config, live_worker, make_llm
 from kmesh_blend.testing.stepping import Driven, Request, drive
 
-BLOCK = 32
 FAMILY = 8
 NEW_TOKENS = 64
 
@@ -62,7 +62,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--families", type=int, default=4)
     parser.add_argument("--budget-agents", type=int, default=3)
+    parser.add_argument("--block-size", type=int, default=32,
+                        help="vLLM's KV block size (on an AMX CPU, bf16: 32 runs vLLM's amx "
+                        "kernel, 16 its vec16 one: config.attn_isa names it)")  # fmt: skip
     args = parser.parse_args()
+    block = args.block_size
+    if block < 16 or block % 16:
+        raise SystemExit(f"--block-size: a multiple of 16, got {block}")
     allocator = use_allocator("tcmalloc")
     doc_len = 512 if args.quick else 2048
     families = 2 if args.quick else args.families
@@ -71,16 +77,16 @@ def main() -> None:
     readers = prompts[:families]
     agents = prompts[families:]
     longest = max(len(ids) for ids, _ in agents) + new_tokens
-    blocks = args.budget_agents * -(-longest // BLOCK)
+    blocks = args.budget_agents * -(-longest // block)
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(path)
     head_dim = hf.hidden_size // hf.num_attention_heads
     token_bytes = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 2  # K+V, bf16
-    block_bytes = BLOCK * token_bytes
-    common = {"dtype": "bfloat16", "max_model_len": -(-longest // BLOCK) * BLOCK,
+    block_bytes = block * token_bytes
+    common = {"dtype": "bfloat16", "max_model_len": -(-longest // block) * block,
               "max_num_batched_tokens": 4096,
-              "max_num_seqs": 64, "block_size": BLOCK, "enable_prefix_caching": True,
+              "max_num_seqs": 64, "block_size": block, "enable_prefix_caching": True,
               "num_gpu_blocks_override": blocks}  # fmt: skip
 
     def params(spans: list[list[int]] | None, family: int, n: int) -> Any:
@@ -139,10 +145,10 @@ def main() -> None:
 
     shared = [r for r in reports if r["bench_engine"] == "kmesh_shared"]
     kept_blocks = statistics.mean(
-        -(-(len(ids) + new_tokens) // BLOCK) - r.get("released_blocks", 0)
+        -(-(len(ids) + new_tokens) // block) - r.get("released_blocks", 0)
         for (ids, _), r in zip(agents, shared, strict=True)
     )  # fmt: skip
-    stock_blocks = statistics.mean(-(-(len(ids) + new_tokens) // BLOCK) for ids, _ in agents)
+    stock_blocks = statistics.mean(-(-(len(ids) + new_tokens) // block) for ids, _ in agents)
     master = doc_len * token_bytes
     mirror = statistics.mean(r.get("mirror_bytes", 0) for r in shared)
     bytes_model = {
@@ -171,7 +177,8 @@ def main() -> None:
         "config": {
             "model": "SmolLM2-135M-Instruct (bf16)", "document_tokens": doc_len,
             "families": families, "family_size": FAMILY, "new_tokens": new_tokens,
-            "kv_budget_blocks": blocks, "block_size": BLOCK, "block_bytes": block_bytes,
+            "kv_budget_blocks": blocks, "block_size": block, "block_bytes": block_bytes,
+            "attn_isa": attn_isa("bfloat16", block, head_dim),
             "budget_agents": args.budget_agents, "engines": engines,
             "bytes_model": bytes_model, "step_per_agent_ratio": step_ratio,
             "released_blocks_per_agent": statistics.mean(r.get("released_blocks", 0)

@@ -22,7 +22,8 @@ config.bytes_model: KV bytes read per decode step (all layers), off = Σ_r conte
 one read of D's master + Σ_r (context_r − rows it reads from the master), at the KV dtype (as
 the CPU kernel reads them; the torch fallback reads fp32 copies), next to the weights' bytes.
 
-Run: python bench/cascade_decode.py [--quick] [--dtype bfloat16|float32]
+Run: python bench/cascade_decode.py [--quick] [--dtype bfloat16|float32] [--block-size N]
+(vLLM's KV block size, 128; config.attn_isa names the attention kernel vLLM picked for it)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, plot_bars, use_allocator
+from _serving import BLOCK_SIZE, attn_isa
 from follow_up_ttft import smollm2_prompts
 
 from kmesh_blend.testing import SMOLLM2
@@ -54,7 +56,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--family", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                        help="vLLM's KV block size (on an AMX CPU, bf16: 32 runs vLLM's amx "
+                        "kernel, 16 its vec16 one: config.attn_isa names it)")  # fmt: skip
     args = parser.parse_args()
+    if args.block_size < 16 or args.block_size % 16:
+        raise SystemExit(f"--block-size: a multiple of 16, got {args.block_size}")
     allocator = use_allocator("tcmalloc")
     doc_len = 512 if args.quick else 2048
     decode_steps = 8 if args.quick else 32
@@ -66,6 +73,7 @@ def main() -> None:
         "max_num_batched_tokens": 4096,
         "dtype": args.dtype,
         "max_num_seqs": 16,
+        "block_size": args.block_size,
     }
 
     steps: dict[str, list[float]] = {
@@ -163,6 +171,8 @@ def main() -> None:
             "config": {
                 "model": SMOLLM2,
                 "dtype": args.dtype,
+                "block_size": args.block_size,
+                "attn_isa": attn_isa(args.dtype, args.block_size),
                 "allocator": allocator,
                 "family": len(family),
                 "document_tokens": doc_len,

@@ -35,10 +35,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import emit, use_allocator
-from _serving import SEPARATOR, agent_families, attn_isa, separator_id
+from _serving import BLOCK_SIZE, SEPARATOR, agent_families, attn_isa, separator_id
 
 GOAL = 1.05
-BLOCK_SIZE = 128  # vLLM's CPU default
 
 
 def main() -> None:

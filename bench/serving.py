@@ -48,6 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, cpu_flags, emit, progress, use_allocator
 from _serving import (
+    BLOCK_SIZE,
     Runs,
     Server,
     Workload,
@@ -75,7 +76,6 @@ WITHIN = 0.9  # share of requests within the SLO for a rate to count as sustaine
 # scheduler process, and one more whenever a kv_transfer_config is set: on 2 cores it then
 # reserves none and a KMesh server's worker would run on both cores where stock's runs on one.
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-BLOCK_SIZE = 128  # vLLM's CPU backend default, which every engine here keeps
 WARM_UP = "Say hello.<file_sep>A short note to warm the server up.<file_sep>Reply with one word."
 
 
