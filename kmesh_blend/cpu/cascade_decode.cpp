@@ -243,14 +243,15 @@ void run_item(const Item<T>& it, float scale, std::vector<float>& buf) {
 template <typename T, int NC>
 void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
              const at::Tensor& key, const at::Tensor& value, at::Tensor& own_k,
-             at::Tensor& own_v, at::Tensor& own_bias, const at::Tensor& cols,
-             at::TensorList master_k, at::TensorList master_v, at::TensorList master_bias,
+             at::Tensor& own_v, at::Tensor& own_bias, const at::Tensor& own_slots,
+             const at::Tensor& cols, at::TensorList master_k, at::TensorList master_v, at::TensorList master_bias,
              at::TensorList rotations, double scale) {
   constexpr int D = 16 * NC;
   const int64_t n = tokens.size(0), H = query.size(1), Hkv = own_k.size(1), G = H / Hkv;
   const int64_t C = own_k.size(2) * 16, M = static_cast<int64_t>(master_k.size());
   const int64_t* tok = tokens.data_ptr<int64_t>();
   const int64_t* col = cols.data_ptr<int64_t>();
+  const int64_t* slot = own_slots.data_ptr<int64_t>();
   T* ok = own_k.data_ptr<T>();
   T* ov = own_v.data_ptr<T>();
   float* ob = own_bias.data_ptr<float>();
@@ -259,13 +260,13 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
   for (int64_t r = 0; r < n; ++r) {
     const T* k = key.data_ptr<T>() + tok[r] * key.stride(0);
     const T* v = value.data_ptr<T>() + tok[r] * value.stride(0);
-    const int64_t c = col[r];
+    const int64_t c = col[r], s = slot[r];
     for (int64_t h = 0; h < Hkv; ++h)
       for (int64_t d = 0; d < D; ++d) {
-        ok[(r * Hkv + h) * D * C + ((c / 16) * (D / 2) + d / 2) * 32 + (c % 16) * 2 + d % 2] = k[h * D + d];
-        ov[(r * Hkv + h) * C * D + ((c / 2) * D + d) * 2 + c % 2] = v[h * D + d];
+        ok[(s * Hkv + h) * D * C + ((c / 16) * (D / 2) + d / 2) * 32 + (c % 16) * 2 + d % 2] = k[h * D + d];
+        ov[(s * Hkv + h) * C * D + ((c / 2) * D + d) * 2 + c % 2] = v[h * D + d];
       }
-    ob[r * obs + c] = 0.f;
+    ob[s * obs + c] = 0.f;
   }
   // Queries in fp32: level 0 as given, level 1 + g rotated into master g's frame (q . R_rg);
   // then as bf16 pairs of dimensions for the dot-product instruction, with their residuals.
@@ -312,10 +313,10 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
       it.rows = static_cast<int>(G);
       for (int64_t i = 0; i < G; ++i) {
         query_row(0, r, h * G + i, it, static_cast<int>(i));
-        it.bias[i] = ob + r * obs;
+        it.bias[i] = ob + slot[r] * obs;
       }
-      it.k = ok + (r * Hkv + h) * D * C;
-      it.v = ov + (r * Hkv + h) * C * D;
+      it.k = ok + (slot[r] * Hkv + h) * D * C;
+      it.v = ov + (slot[r] * Hkv + h) * C * D;
       it.j0 = 0;
       it.j1 = static_cast<int>(C);
       items.push_back(it);
@@ -384,16 +385,18 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "kmesh cascade_decode: "
 // Shapes (X: float32 or bfloat16, the same for every K/V/query/output tensor; all on CPU):
 //   out [T, H, D], query [T, H, D], key/value [T, Hkv, D]: the step's tokens; rows tokens[r]
 //     (int64 [n]) are the n cascade requests'.
-//   own_k [n, Hkv, C/16, D/2, 16, 2] (keys: tiles of 16 by pairs of dimensions), own_v
-//     [n, Hkv, C/2, D, 2] (values, pairs of rows), C a multiple of 16, contiguous; own_bias [n, C] fp32; cols int64 [n]: the own column
-//     this step's key/value are written to (and its bias set to 0).
+//   own_k [P, Hkv, C/16, D/2, 16, 2] (keys: tiles of 16 by pairs of dimensions), own_v
+//     [P, Hkv, C/2, D, 2] (values, pairs of rows), C a multiple of 16, contiguous; own_bias [P, C]
+//     fp32: a pool of P slots of own rows, request r's in slot own_slots[r] (int64 [n], distinct;
+//     the other slots are neither read nor written); cols int64 [n]: the own column this step's
+//     key/value are written to (and its bias set to 0).
 //   per master g: k [Hkv, ceil(S/16), D/2, 16, 2], v [Hkv, ceil(S/2), D, 2] (zero rows past S),
 //     contiguous; bias [n, S] fp32; rotation [n, D, D] fp32 (request r's query in g's frame is
 //     q . rotation[r]).
 // Biases: 0 where the request reads the key, -1e30 where not; any row stride, unit column stride.
 void cascade_decode(at::Tensor out, at::Tensor tokens, at::Tensor query, at::Tensor key,
                     at::Tensor value, at::Tensor own_k, at::Tensor own_v, at::Tensor own_bias,
-                    at::Tensor cols, at::TensorList master_k, at::TensorList master_v,
+                    at::Tensor own_slots, at::Tensor cols, at::TensorList master_k, at::TensorList master_v,
                     at::TensorList master_bias, at::TensorList rotations, double scale) {
   const auto X = query.scalar_type();
   check(X == at::kFloat || X == at::kBFloat16, "query dtype must be float32 or bfloat16");
@@ -403,13 +406,23 @@ void cascade_decode(at::Tensor out, at::Tensor tokens, at::Tensor query, at::Ten
   const int64_t n = tokens.size(0), H = query.size(1), D = query.size(2);
   check(tokens.scalar_type() == at::kLong && cols.scalar_type() == at::kLong && cols.size(0) == n &&
             tokens.is_contiguous() && cols.is_contiguous(), "tokens/cols: contiguous int64 [n]");
-  check(own_k.dim() == 6 && own_k.is_contiguous() && own_v.is_contiguous() && own_k.size(0) == n, "own_k: contiguous [n, Hkv, C/16, D/2, 16, 2]");
-  const int64_t Hkv = own_k.size(1), C = own_k.size(2) * 16;
-  check(own_k.sizes() == at::IntArrayRef({n, Hkv, C / 16, D / 2, 16, 2}), "own_k: [n, Hkv, C/16, D/2, 16, 2]");
+  check(own_k.dim() == 6 && own_k.is_contiguous() && own_v.is_contiguous(), "own_k: contiguous [P, Hkv, C/16, D/2, 16, 2]");
+  const int64_t P = own_k.size(0), Hkv = own_k.size(1), C = own_k.size(2) * 16;
+  check(own_k.sizes() == at::IntArrayRef({P, Hkv, C / 16, D / 2, 16, 2}), "own_k: [P, Hkv, C/16, D/2, 16, 2]");
   check(n >= 1 && Hkv >= 1 && H % Hkv == 0 && n * (H / Hkv) <= 64, "heads: H a multiple of Hkv, n * H / Hkv <= 64");
-  check(own_v.sizes() == at::IntArrayRef({n, Hkv, C / 2, D, 2}), "own_v: [n, Hkv, C/2, D, 2]");
-  check(own_bias.scalar_type() == at::kFloat && own_bias.size(0) == n && own_bias.size(1) == C &&
-            own_bias.stride(1) == 1, "own_bias: fp32 [n, C], unit column stride");
+  check(own_v.sizes() == at::IntArrayRef({P, Hkv, C / 2, D, 2}), "own_v: [P, Hkv, C/2, D, 2]");
+  check(own_bias.scalar_type() == at::kFloat && own_bias.dim() == 2 && own_bias.size(0) == P &&
+            own_bias.size(1) == C && own_bias.stride(1) == 1, "own_bias: fp32 [P, C], unit column stride");
+  check(own_slots.scalar_type() == at::kLong && own_slots.dim() == 1 && own_slots.size(0) == n &&
+            own_slots.is_contiguous(), "own_slots: contiguous int64 [n]");
+  {
+    const int64_t* slot = own_slots.data_ptr<int64_t>();
+    std::vector<bool> taken(static_cast<size_t>(P), false);
+    for (int64_t r = 0; r < n; ++r) {
+      check(slot[r] >= 0 && slot[r] < P && !taken[slot[r]], "own_slots: distinct slots within the pool");
+      taken[slot[r]] = true;
+    }
+  }
   for (const at::Tensor* t : {&out, &query, &key, &value})
     check(t->stride(2) == 1 && t->stride(1) == t->size(2), "query/out/key/value: rows of [heads, D] contiguous");
   check(key.size(1) == Hkv && value.size(1) == Hkv && key.size(2) == D && out.size(1) == H && out.size(2) == D,
@@ -438,10 +451,12 @@ void cascade_decode(at::Tensor out, at::Tensor tokens, at::Tensor query, at::Ten
 #define KMESH_CASE(NC)                                                                           \
   case 16 * NC:                                                                                \
     if (X == at::kFloat)                                                                       \
-      cascade<float, NC>(out, tokens, query, key, value, own_k, own_v, own_bias, cols,         \
+      cascade<float, NC>(out, tokens, query, key, value, own_k, own_v, own_bias, own_slots,    \
+                         cols,                                                                 \
                          master_k, master_v, master_bias, rotations, scale);                   \
     else                                                                                       \
-      cascade<bf16, NC>(out, tokens, query, key, value, own_k, own_v, own_bias, cols,          \
+      cascade<bf16, NC>(out, tokens, query, key, value, own_k, own_v, own_bias, own_slots,     \
+                        cols,                                                                  \
                         master_k, master_v, master_bias, rotations, scale);                    \
     break;
     KMESH_CASE(2) KMESH_CASE(4) KMESH_CASE(8)

@@ -4,12 +4,12 @@
 K/V to each request's own rows, attends to them and to every master level, writes the output
 rows, in one call, K/V in the cache dtype); `attend_torch` does the same in plain torch on fp32
 copies (`kmesh_blend.attention.decode.decode_cascade`). Both read a `Step`: the requests
-decoding in cascade this step and their buffers (`kmesh_blend.vllm.cascade_buffers`).
+decoding in cascade this step, their levels, and their own rows' slots in the engine's pool
+(`kmesh_blend.vllm.cascade_buffers`).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -17,7 +17,7 @@ import torch
 
 from kmesh_blend.attention.decode import MasterRows, decode_cascade
 from kmesh_blend.models.rope import RotaryEmbedding
-from kmesh_blend.vllm.cascade_buffers import Composition
+from kmesh_blend.vllm.cascade_buffers import Composition, OwnPool, gathered
 from kmesh_blend.vllm.paged import PagedLayout
 from kmesh_blend.vllm.seam.cpu_attention import KernelBatch
 
@@ -56,36 +56,32 @@ class Step(NamedTuple):
     composition: Composition
     generated: torch.Tensor  # [n] int64: generated rows before this step's token
     others: tuple[torch.Tensor, KernelBatch] | None  # the step's other requests, for vLLM
-    rows: torch.Tensor  # [n] int64: 0..n-1
 
 
-def attend_kernel(kernel: Kernel, index: int, step: Step, query: torch.Tensor,
+def attend_kernel(kernel: Kernel, index: int, step: Step, pool: OwnPool, query: torch.Tensor,
                   key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, heads: Heads,
                   scale: float) -> None:  # fmt: skip
     """Layer ``index`` on the CPU kernel: query [t, H·D], key / value [t, Hkv·D] of the whole
-    step; writes the cascade requests' rows of ``out`` [t, H, D]. One call per `per_call(heads)`
-    requests (the kernel keeps n · H/Hkv query rows in reach: at most 64); each call reads the
-    masters once more."""
-    buffers = step.composition.layers[index]
-    own_k, own_v = buffers.own
-    width = own_k.shape[2] * 16
-    composition, cols = step.composition, buffers.first_free + step.generated
+    step; writes the cascade requests' rows of ``out`` [t, H, D] and appends this step's K/V to
+    their slots of ``pool``. One call per `per_call(heads)` requests (the kernel keeps
+    n · H/Hkv query rows in reach: at most 64); each call reads the masters once more."""
+    composition = step.composition
+    cols = composition.first_free[index] + step.generated
     num_heads, kv_heads, dim = heads
-    masters, starts = composition.masters, [width]
-    for m, _ in masters:
-        starts.append(starts[-1] + m.size)
     query, key, value = (query.view(-1, num_heads, dim), key.view(-1, kv_heads, dim),
                          value.view(-1, kv_heads, dim))  # fmt: skip
-    master_k, master_v = [m.k_t[index] for m, _ in masters], [m.v[index] for m, _ in masters]
-    spans = [(0, width), *itertools.pairwise(starts)]
+    levels = composition.levels
+    master_k = [level.master.k_t[index] for level in levels]
+    master_v = [level.master.v[index] for level in levels]
+    biases = [level.bias[index] for level in levels]
+    own_k, own_v, own_bias = pool.k[index], pool.v[index], pool.bias[index]
     n, chunk = int(step.tokens.numel()), per_call(heads)
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
-        biases = [buffers.bias[a:b, lo:hi] for lo, hi in spans]
         kernel(
-            out, step.tokens[a:b], query, key, value, own_k[a:b], own_v[a:b], biases[0],
-            cols[a:b], master_k, master_v, biases[1:], [r[a:b] for r in composition.rotations],
-            scale,
+            out, step.tokens[a:b], query, key, value, own_k, own_v, own_bias,
+            composition.slots[a:b], cols[a:b], master_k, master_v,
+            [bias[a:b] for bias in biases], [r[a:b] for r in composition.rotations], scale,
         )  # fmt: skip
 
 
@@ -94,22 +90,23 @@ def per_call(heads: Heads) -> int:
     return max(1, 64 * heads.num_kv_heads // heads.num_heads)
 
 
-def attend_torch(index: int, step: Step, query: torch.Tensor, key: torch.Tensor,
-                 value: torch.Tensor, heads: Heads, rope: RotaryEmbedding,
+def attend_torch(index: int, step: Step, pool: OwnPool, query: torch.Tensor,
+                 key: torch.Tensor, value: torch.Tensor, heads: Heads, rope: RotaryEmbedding,
                  scale: float) -> torch.Tensor:  # fmt: skip
     """Layer ``index`` in plain torch: this step's token of every cascade request joins its
-    own rows, then attends; → [n, H, D] fp32."""
-    buffers = step.composition.layers[index]
-    rows = step.rows
-    cols = buffers.first_free + step.generated
-    shape = (rows.numel(), heads.num_kv_heads, heads.head_dim)
-    buffers.own.k_t[rows, :, :, cols] = key[step.tokens].reshape(shape).float()
-    buffers.own.v[rows, :, cols] = value[step.tokens].reshape(shape).float()
-    buffers.bias[rows, cols] = 0.0
+    own rows in ``pool``, then attends; → [n, H, D] fp32."""
+    composition = step.composition
+    slots = composition.slots
+    cols = composition.first_free[index] + step.generated
+    shape = (slots.numel(), heads.num_kv_heads, heads.head_dim)
+    pool.k[index][slots, :, :, cols] = key[step.tokens].reshape(shape).float()
+    pool.v[index][slots, :, cols] = value[step.tokens].reshape(shape).float()
+    pool.bias[index][slots, cols] = 0.0
     query_f32 = query[step.tokens].float()
     masters = [
         # The same −Δ tensor every layer: the rotary tables are memoized for it.
-        MasterRows(m.k_t[index], m.v[index], rope.apply(query_f32, back))
-        for m, back in step.composition.masters
+        MasterRows(lv.master.k_t[index], lv.master.v[index], rope.apply(query_f32, lv.back))
+        for lv in composition.levels
     ]
-    return decode_cascade(query_f32, buffers.own, masters, buffers.bias, scale)
+    own, bias = gathered(pool, composition, index)
+    return decode_cascade(query_f32, own, masters, bias, scale)

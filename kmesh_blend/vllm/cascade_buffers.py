@@ -1,10 +1,14 @@
-"""The buffers a set of cascade requests decodes from, per layer: own rows, biases, rotations.
+"""The buffers cascade requests decode from: own rows in a pool, and the levels of a set.
 
-Owned by `kmesh_blend.vllm.cascade_decode` (one `Composition` per set of requests decoding
-together, kept step after step while the set stays the same). Each request's own rows (the prompt
-rows it does not read from a master, copied out of its paged blocks once, then its generated
-rows, appended every step) in one of two layouts: fp32 copies for the plain-torch path, or the
-KV dtype in the CPU kernel's tiles (`kmesh_blend.cpu.layout`). Plain torch, no vLLM import.
+Owned by `kmesh_blend.vllm.cascade_decode`. Each request's own rows (the prompt rows it does not
+read from a master, then its generated rows) live in one slot of an `OwnPool` from its first
+cascade step to its last: read out of its paged blocks (and mirror) once, then appended in place
+by every step (the CPU kernel writes this step's key/value into the slot itself). A `Composition`
+is what a set of requests decoding together adds: their slots and one level per master use (read
+masks, the query rotations). When the set changes (a request joins or leaves, which under load is
+most steps) only the composition is built again; the own rows stay where they are. Two layouts:
+fp32 copies for the plain-torch path, or the KV dtype in the CPU kernel's tiles
+(`kmesh_blend.cpu.layout`). Plain torch, no vLLM import.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from kmesh_blend.vllm.paged import PagedLayout
 if TYPE_CHECKING:
     from kmesh_blend.vllm.seam.cpu_attention import StepBatch
 
-__all__ = ["HEADROOM", "Composition", "Layer", "Sources", "compose", "grown"]
+__all__ = ["HEADROOM", "Composition", "Level", "OwnPool", "Sources", "compose", "gathered"]
 
-HEADROOM = 32  # own columns for generated rows added at a time (buffers grow by copying)
+HEADROOM = 32  # own columns added at least when a slot runs out (the pool grows by copying)
+FIRST_SLOTS = 4  # slots of a new pool (doubled when all are taken)
 
 
 class Sources(NamedTuple):
@@ -37,31 +42,152 @@ class Sources(NamedTuple):
     rope: RotaryEmbedding
 
 
-class Layer(NamedTuple):
-    """One layer's buffers of a set of plans decoding together (n requests).
+class OwnPool:
+    """Every cascade request's own rows, one slot each (P slots of C columns), per layer.
 
-    own: each request's own rows — prompt rows it does not read from a master, then its
-    generated rows — torch path: fp32 k_t [n, Hkv, D, C] and v [n, Hkv, C, D]; kernel: the KV
-    dtype, k [n, Hkv, C/16, D/2, 16, 2] and v [n, Hkv, C/2, D, 2] (C a multiple of 16).
-    ``first_free`` [n] int64: where request r's generated rows start. bias: [n, C + ΣS] fp32
-    over own rows then masters.
-    """
+    Torch path: fp32 ``k[l]`` [P, Hkv, D, C] (keys transposed) and ``v[l]`` [P, Hkv, C, D];
+    kernel (``tiled``): the KV dtype, ``k[l]`` [P, Hkv, C/16, D/2, 16, 2] and ``v[l]``
+    [P, Hkv, C/2, D, 2], C a multiple of 16. ``bias`` [L, P, C] fp32: 0 where a slot's column
+    holds a row, MASKED elsewhere (columns past a slot's rows are never read unmasked: stale
+    but finite). ``first_free`` [L, P] int64: where the slot's generated rows start (its own
+    prompt rows in that layer); ``filled`` [P]: its generated rows held."""
 
-    own: OwnRows
-    first_free: torch.Tensor
+    def __init__(self, num_layers: int, kv_heads_dim: tuple[int, int], dtype: torch.dtype,
+                 tiled: bool) -> None:  # fmt: skip
+        self.num_layers, (self.kv_heads, self.dim) = num_layers, kv_heads_dim
+        self.dtype = dtype if tiled else torch.float32  # the torch path computes in fp32
+        self.tiled = tiled
+        self.slots: dict[str, int] = {}
+        self.filled: list[int] = []
+        self._clear(0, 0)
+
+    @property
+    def size(self) -> int:
+        """Slots P."""
+        return len(self.filled)
+
+    @property
+    def width(self) -> int:
+        """Columns C per slot."""
+        return int(self.bias.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.k, *self.v, self.bias))
+
+    def _clear(self, slots: int, width: int) -> None:
+        self.k = [self._zeros_k(slots, width) for _ in range(self.num_layers)]
+        self.v = [self._zeros_v(slots, width) for _ in range(self.num_layers)]
+        self.bias = torch.full((self.num_layers, slots, width), MASKED)
+        self.first_free = torch.zeros(self.num_layers, slots, dtype=torch.int64)
+        self.filled = [0] * slots
+
+    def _zeros_k(self, slots: int, width: int) -> torch.Tensor:
+        heads, dim = self.kv_heads, self.dim
+        if self.tiled:
+            return torch.zeros(slots, heads, width // 16, dim // 2, 16, 2, dtype=self.dtype)
+        return torch.zeros(slots, heads, dim, width, dtype=self.dtype)
+
+    def _zeros_v(self, slots: int, width: int) -> torch.Tensor:
+        heads, dim = self.kv_heads, self.dim
+        if self.tiled:
+            return torch.zeros(slots, heads, width // 2, dim, 2, dtype=self.dtype)
+        return torch.zeros(slots, heads, width, dim, dtype=self.dtype)
+
+    def release(self, req_id: str) -> None:
+        """Free ``req_id``'s slot (all storage once the pool is empty: nothing held while idle)."""
+        slot = self.slots.pop(req_id, None)
+        if slot is None:
+            return
+        if not self.slots:
+            self._clear(0, 0)
+            return
+        self.bias[:, slot] = MASKED
+        self.filled[slot] = 0
+
+    def ensure(self, columns: int) -> None:
+        """Room for ``columns`` columns in every slot (grown by at least half, copied)."""
+        if columns <= self.width:
+            return
+        width = max(columns + HEADROOM, self.width + self.width // 2)
+        width += -width % 16
+        self._resize(self.size, width)
+
+    def _resize(self, slots: int, width: int) -> None:
+        old_k, old_v, old_bias, old_first = self.k, self.v, self.bias, self.first_free
+        old_filled, p, c = self.filled, self.size, self.width
+        self._clear(slots, width)
+        for layer in range(self.num_layers):
+            if self.tiled:
+                self.k[layer][:p, :, : c // 16] = old_k[layer]
+                self.v[layer][:p, :, : c // 2] = old_v[layer]
+            else:
+                self.k[layer][:p, ..., :c] = old_k[layer]
+                self.v[layer][:p, :, :c] = old_v[layer]
+        self.bias[:, :p, :c] = old_bias
+        self.first_free[:, :p] = old_first
+        self.filled[:p] = old_filled
+
+    def place(self, plan: DecodePlan, block_row: torch.Tensor, generated: int,
+              src: Sources) -> int:  # fmt: skip
+        """``plan``'s slot, holding its own prompt rows and ``generated`` generated rows: taken
+        and filled from the paged cache (and its mirror) the first time, filled again when the
+        rows it holds are not current (the request ran steps on vLLM's kernel meanwhile)."""
+        slot = self.slots.get(plan.req_id)
+        if slot is not None and self.filled[slot] == generated:
+            return slot
+        if slot is None:
+            taken = set(self.slots.values())
+            slot = next((s for s in range(self.size) if s not in taken), self.size)
+            if slot == self.size:
+                self._resize(max(FIRST_SLOTS, 2 * self.size), self.width)
+            self.slots[plan.req_id] = slot
+        own = [plan.num_own(layer) for layer in range(self.num_layers)]
+        self.ensure(max(own) + generated + 1)
+        block_size = src.layout.block_size
+        pos = torch.arange(plan.num_tokens, plan.num_tokens + generated)
+        blocks = block_row.to(torch.int64)[pos // block_size]
+        slots = blocks * block_size + pos % block_size
+        for layer, cache in enumerate(src.caches):
+            # its prompt rows, then its generated rows (in blocks after its prompt: never given
+            # back)
+            gk, gv = src.layout.read(cache, slots.to(cache.device))
+            pk, pv = plan.own_rows(layer, src.layout, cache)
+            rk = torch.cat((pk, gk.cpu())).to(self.dtype).permute(1, 2, 0)  # [Hkv, D, rows]
+            rv = torch.cat((pv, gv.cpu())).to(self.dtype).transpose(0, 1)  # [Hkv, rows, D]
+            rows = own[layer] + generated
+            if self.tiled:  # whole tiles / pairs: what lies past the rows in them is masked
+                tiles, pairs = tile_keys(rk), pair_values(rv)
+                self.k[layer][slot, :, : tiles.shape[1]] = tiles
+                self.v[layer][slot, :, : pairs.shape[1]] = pairs
+            else:
+                self.k[layer][slot, ..., :rows] = rk
+                self.v[layer][slot, :, :rows] = rv
+            self.bias[layer, slot] = MASKED
+            self.bias[layer, slot, :rows] = 0.0
+        self.first_free[:, slot] = torch.tensor(own, dtype=torch.int64)
+        self.filled[slot] = generated
+        return slot
+
+
+class Level(NamedTuple):
+    """One master level of a set of n requests: the master, −Δ per request [n] int64, and per
+    layer which of its rows each request reads, ``bias`` [L, n, S] fp32 (0 or MASKED)."""
+
+    master: SharedMaster
+    back: torch.Tensor
     bias: torch.Tensor
 
 
 class Composition(NamedTuple):
-    """A set of requests (``key``: their ids, in batch order) and their buffers per layer."""
+    """A set of requests (``key``: their ids, in batch order) decoding together."""
 
     key: tuple[str, ...]
-    layers: list[Layer]
-    # one level per master and k-th use of it in a request, with −Δ per request [n] int64
-    masters: list[tuple[SharedMaster, torch.Tensor]]
-    rotations: list[torch.Tensor]  # per master [n, D, D] fp32: q · R rotates q by −Δ (kernel)
-    filled: list[int]  # generated rows in the buffers, per request (all layers)
-    capacity: int  # own columns C − the widest prompt part: room for generated rows
+    slots: torch.Tensor  # [n] int64: each request's slot in the pool
+    first_free: torch.Tensor  # [L, n] int64: where each request's generated rows start
+    # one level per master and k-th use of it in a request
+    levels: list[Level]
+    rotations: list[torch.Tensor]  # per level [n, D, D] fp32: q · R rotates q by −Δ (kernel)
 
 
 def compose(
@@ -69,30 +195,21 @@ def compose(
     chosen: list[tuple[int, DecodePlan]],
     generated: list[int],
     last: Composition | None,
+    pool: OwnPool,
     src: Sources,
-    kv_heads_dim: tuple[int, int],
-    tiled: bool,
 ) -> Composition:
-    """The buffers of the plans ``chosen`` (batch row, plan) decoding together, each with
-    ``generated`` rows so far: ``last`` while the set is the same and each request has exactly
-    one row more (grown when full), else new buffers — each request's own rows copied from
-    ``last`` where they are current there (it decoded in the last step), else read from the
-    paged cache (and its mirror). ``tiled``: the CPU kernel's layouts
-    (`kmesh_blend.cpu.layout`), else fp32 copies for the torch path."""
+    """The composition of the plans ``chosen`` (batch row, plan) decoding together, each with
+    ``generated`` rows so far; their slots in ``pool`` placed (`OwnPool.place`) and made room
+    for this step's row. ``last`` while the set is the same."""
+    slots = [
+        pool.place(plan, batch.block_table[i], generated[r], src)
+        for r, (i, plan) in enumerate(chosen)
+    ]
+    pool.ensure(int((pool.first_free[:, slots].max(0).values + torch.tensor(generated)).max()) + 1)
     key = tuple(plan.req_id for _, plan in chosen)
-    if last is not None and last.key == key and last.filled == generated:
-        return last if max(generated) < last.capacity else grown(last, HEADROOM)
-    n, block_size = len(chosen), src.layout.block_size
-    kv_heads, dim = kv_heads_dim
-    capacity = max(generated) + HEADROOM
-    # requests whose rows `last` holds up to date: their index there
-    carried: dict[int, int] = {}
-    if last is not None:
-        where = {req_id: r for r, req_id in enumerate(last.key)}
-        for r, (_, plan) in enumerate(chosen):
-            old = where.get(plan.req_id)
-            if old is not None and last.filled[old] == generated[r]:
-                carried[r] = old
+    if last is not None and last.key == key and last.slots.tolist() == slots:
+        return last
+    n, num_layers = len(chosen), len(src.caches)
     # One master level per (master, k-th use of it in a request): a prompt that reads one
     # document twice attends to both copies, each at its own offset (one Δ per level).
     readers: dict[tuple[str, int], list[tuple[int, MasterUse, torch.Tensor]]] = {}
@@ -101,105 +218,27 @@ def compose(
         for use, rows in zip(plan.uses, plan.shared, strict=True):
             nth = seen[use.key] = seen.get(use.key, -1) + 1
             readers.setdefault((use.key, nth), []).append((r, use, rows))
-    masters = []
+    levels = []
     for (master_key, _), group in readers.items():
         master = src.masters[master_key]
         deltas = torch.zeros(n, dtype=torch.int64)
-        for r, use, _ in group:
+        bias = torch.full((num_layers, n, master.size), MASKED)
+        for r, use, rows in group:
             deltas[r] = use.start - master.first
-        masters.append((master, -deltas, group))
-    layers: list[Layer] = []
-    for layer, cache in enumerate(src.caches):
-        prompt = [plan.num_own(layer) for _, plan in chosen]
-        width = max(prompt) + capacity
-        if tiled:  # whole tiles of 16 keys
-            width += -width % 16
-        # the torch path computes on fp32 copies, as its masters (`SharedMaster`)
-        own_dtype = cache.dtype if tiled else torch.float32
-        own = _empty_rows(n, kv_heads, dim, width, own_dtype, tiled)
-        parts = [torch.full((n, width), MASKED)]
-        for r, (i, plan) in enumerate(chosen):
-            n_rows = prompt[r] + generated[r]
-            parts[0][r, :n_rows] = 0.0
-            if r in carried:
-                assert last is not None
-                _copy_rows(last.layers[layer].own, carried[r], own, r, n_rows, tiled)
-                continue
-            # its prompt rows, then its generated rows (in blocks after its prompt: never given
-            # back)
-            pos = torch.arange(plan.num_tokens, plan.num_tokens + generated[r])
-            blocks = batch.block_table[i].to(torch.int64)[pos // block_size]
-            slots = blocks * block_size + pos % block_size
-            gk, gv = src.layout.read(cache, slots.to(cache.device))
-            pk, pv = plan.own_rows(layer, src.layout, cache)
-            rk = torch.cat((pk, gk.cpu())).to(own_dtype).permute(1, 2, 0)  # [Hkv, D, n_rows]
-            rv = torch.cat((pv, gv.cpu())).to(own_dtype).transpose(0, 1)  # [Hkv, n_rows, D]
-            if tiled:
-                tiles, pairs = tile_keys(rk), pair_values(rv)
-                own.k_t[r, :, : tiles.shape[1]] = tiles
-                own.v[r, :, : pairs.shape[1]] = pairs
-            else:
-                own.k_t[r, :, :, :n_rows] = rk
-                own.v[r, :, :n_rows] = rv
-        for master, _, group in masters:
-            reads = torch.full((n, master.size), MASKED)
-            for r, _, rows in group:
-                reads[r] = torch.where(rows[layer], 0.0, MASKED)
-            parts.append(reads)
-        first_free = torch.tensor(prompt, dtype=torch.int64)
-        layers.append(Layer(own, first_free, torch.cat(parts, dim=1)))
+            bias[:, r] = torch.where(rows, 0.0, MASKED)  # rows [L, S] bool
+        levels.append(Level(master, -deltas, bias))
+    index = torch.tensor(slots, dtype=torch.int64)
     rotations = []
-    if tiled:  # q · R = the query rotated by −Δ (RoPE is linear in q)
-        basis = torch.eye(dim).expand(n, -1, -1).contiguous()
-        rotations = [src.rope.apply(basis, back).contiguous() for _, back, _ in masters]
-    return Composition(
-        key,
-        layers,
-        [(m, back) for m, back, _ in masters],
-        rotations,
-        list(generated),
-        capacity,
-    )
+    if pool.tiled:  # q · R = the query rotated by −Δ (RoPE is linear in q)
+        basis = torch.eye(pool.dim).expand(n, -1, -1).contiguous()
+        rotations = [src.rope.apply(basis, level.back).contiguous() for level in levels]
+    return Composition(key, index, pool.first_free[:, index], levels, rotations)
 
 
-def _empty_rows(n: int, kv_heads: int, dim: int, width: int, dtype: torch.dtype,
-                tiled: bool) -> OwnRows:  # fmt: skip
-    """Zeroed own rows for n requests of ``width`` columns, in the layout of `Layer.own`."""
-    if tiled:
-        return OwnRows(torch.zeros(n, kv_heads, width // 16, dim // 2, 16, 2, dtype=dtype),
-                       torch.zeros(n, kv_heads, width // 2, dim, 2, dtype=dtype))  # fmt: skip
-    return OwnRows(torch.zeros(n, kv_heads, dim, width, dtype=dtype),
-                   torch.zeros(n, kv_heads, width, dim, dtype=dtype))  # fmt: skip
-
-
-def _copy_rows(src: OwnRows, old: int, dst: OwnRows, r: int, n_rows: int, tiled: bool) -> None:
-    """Request ``old``'s first ``n_rows`` own rows of ``src`` into request ``r`` of ``dst``
-    (whole tiles / pairs: what lies past ``n_rows`` in them is masked)."""
-    if tiled:
-        tiles, pairs = -(-n_rows // 16), -(-n_rows // 2)
-        dst.k_t[r, :, :tiles] = src.k_t[old, :, :tiles]
-        dst.v[r, :, :pairs] = src.v[old, :, :pairs]
-    else:
-        dst.k_t[r, ..., :n_rows] = src.k_t[old, ..., :n_rows]
-        dst.v[r, :, :n_rows] = src.v[old, :, :n_rows]
-
-
-def grown(old: Composition, extra: int) -> Composition:
-    """``old`` with ``extra`` (a multiple of 16) more own columns per layer (copied, not gathered
-    again)."""
-    layers = []
-    for buffers in old.layers:
-        k_t, v = buffers.own
-        if k_t.dim() == 6:  # the kernel's tiles: new tiles and pairs at the end
-            width = k_t.shape[2] * 16
-            new_k = torch.cat((k_t, k_t.new_zeros(*k_t.shape[:2], extra // 16, *k_t.shape[3:])), 2)
-            new_v = torch.cat((v, v.new_zeros(*v.shape[:2], extra // 2, *v.shape[3:])), 2)
-        else:
-            width = k_t.shape[-1]
-            new_k = k_t.new_zeros((*k_t.shape[:-1], width + extra))
-            new_v = v.new_zeros((v.shape[0], v.shape[1], width + extra, v.shape[3]))
-            new_k[..., :width], new_v[:, :, :width] = k_t, v
-        pad = torch.full((k_t.shape[0], extra), MASKED)
-        bias = torch.cat((buffers.bias[:, :width], pad, buffers.bias[:, width:]), dim=1)
-        layers.append(Layer(OwnRows(new_k, new_v), buffers.first_free, bias))
-    return old._replace(layers=layers, capacity=old.capacity + extra)
+def gathered(pool: OwnPool, composition: Composition, layer: int) -> tuple[OwnRows, torch.Tensor]:
+    """The torch path's inputs of layer ``layer``: the set's own rows (copies gathered from
+    their slots) and its bias [n, C + ΣS] fp32 over own rows then every level."""
+    slots = composition.slots
+    own = OwnRows(pool.k[layer][slots], pool.v[layer][slots])
+    levels = (level.bias[layer] for level in composition.levels)
+    return own, torch.cat((pool.bias[layer][slots], *levels), dim=1)

@@ -36,7 +36,8 @@ from kmesh_blend.vllm.cascade_attend import (
     attend_kernel,
     attend_torch,
 )
-from kmesh_blend.vllm.cascade_buffers import Composition, Sources, compose
+from kmesh_blend.vllm.cascade_buffers import Composition, OwnPool, Sources, compose
+from kmesh_blend.vllm.cascade_clock import StepClock, StepParts
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.kv_release import Sharing
 from kmesh_blend.vllm.seam.cpu_attention import attn_scale, run_kernel, sub_batch
@@ -78,8 +79,14 @@ class CascadeDecode:
         self._meta: tuple[object, int] | None = None  # what the cached step was built for
         self._step: Step | None = None
         self._composition: Composition | None = None
+        # each cascade request's own rows, one slot for its whole decode (CPU kernel: the KV
+        # dtype in its tiles; torch path: fp32)
+        self.pool = OwnPool(len(self.caches), (self.num_kv_heads, self.head_dim),
+                            self.caches[0].dtype, tiled=kernel is not None)  # fmt: skip
         self.broken: str | None = None  # set by an error inside the path: vLLM's forward only
         self.sharing: Sharing | None = None  # with kmesh.share_kv_memory (`share`)
+        self.clock = StepClock()  # the parts of recent cascade steps
+        self._parts: StepParts | None = None
 
     def share(self, world_size: int, cap: int) -> None:
         """Give back readers' segment blocks from now on (``kmesh.share_kv_memory``), their
@@ -106,6 +113,7 @@ class CascadeDecode:
 
     def drop(self, req_id: str, reason: str | None = None) -> None:
         plan = self.plans.pop(req_id, None)
+        self.pool.release(req_id)
         if self.sharing is not None:
             self.sharing.forget(req_id)
         if plan is None:
@@ -145,33 +153,42 @@ class CascadeDecode:
         # step, so a backend that reused the object would still be noticed.
         stamp = (batch.key, int(batch.seq_lens.sum()))
         if self._meta is None or stamp[0] is not self._meta[0] or stamp[1] != self._meta[1]:
-            self._meta, self._step = stamp, None
+            self._meta, self._step, self._parts = stamp, None, None
             # paused: only readers whose blocks went back still need the path
             if self.plans and self.broken is None and (not self.paused or self.num_pinned):
+                start = self.clock.now()
                 try:
                     self._step = self._build(batch, layer, query.dtype, only_pinned=self.paused)
                 except Exception as exc:
                     self._break(exc)
-        step = self._step
-        if step is None:
+                if self._step is not None:
+                    others = self._step.others
+                    self._parts = self.clock.open(
+                        int(self._step.tokens.numel()),
+                        0 if others is None else int(others[0].numel()),
+                        self.clock.now() - start,
+                    )
+        step, parts = self._step, self._parts
+        if step is None or parts is None:
             return stock()
         num = batch.num_tokens
         out = output[:num].view(num, self.num_heads, self.head_dim)
         try:
+            start = self.clock.now()
             if self.kernel is not None:
                 self._run_kernel(index, step, layer, query, key, value, out)
             else:
                 out[step.tokens] = self._attend(index, step, layer, query, key, value).to(out.dtype)
-            others = None
+            middle = self.clock.now()
+            parts.cascade_s += middle - start
             if step.others is not None:
                 rows, kernel_batch = step.others
-                others = run_kernel(layer, kv_cache, query[rows], kernel_batch)
+                out[rows] = run_kernel(layer, kv_cache, query[rows], kernel_batch)
+                parts.others_s += self.clock.now() - middle
         except Exception as exc:  # never serve doubtful KV: this and later steps run stock
             self._break(exc)
             self._step = None
             return stock()
-        if others is not None and step.others is not None:
-            out[step.others[0]] = others
         return output
 
     @property
@@ -197,12 +214,12 @@ class CascadeDecode:
     def _run_kernel(self, index: int, step: Step, layer: AttnLayer, query: torch.Tensor,
                     key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
         assert self.kernel is not None
-        attend_kernel(self.kernel, index, step, query, key, value, out, self.heads,
+        attend_kernel(self.kernel, index, step, self.pool, query, key, value, out, self.heads,
                       attn_scale(layer))  # fmt: skip
 
     def _attend(self, index: int, step: Step, layer: AttnLayer, query: torch.Tensor,
                 key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        return attend_torch(index, step, query, key, value, self.heads, self.rope,
+        return attend_torch(index, step, self.pool, query, key, value, self.heads, self.rope,
                             attn_scale(layer))  # fmt: skip
 
     def _break(self, exc: Exception) -> None:
@@ -270,26 +287,15 @@ class CascadeDecode:
             )
         rows = [i for i, _ in chosen]
         generated = [seq_lens[i] - 1 - plan.num_tokens for i, plan in chosen]
-        composition = self._compose(batch, chosen, generated)
-        self._composition = composition._replace(filled=[g + 1 for g in generated])
+        sources = Sources(self.masters, self.caches, self.layout, self.rope)
+        composition = compose(batch, chosen, generated, self._composition, self.pool, sources)
+        self._composition = composition
+        for slot, g in zip(composition.slots.tolist(), generated, strict=True):
+            self.pool.filled[slot] = g + 1  # this step's row, appended by every layer
         others = sorted(set(range(num_reqs)) - set(rows))
         return Step(
             torch.tensor([starts[i] for i in rows], dtype=torch.int64),
-            self._composition,
+            composition,
             torch.tensor(generated, dtype=torch.int64),
             sub_batch(batch, layer, dtype, others, starts) if others else None,
-            torch.arange(len(rows)),
-        )
-
-    def _compose(
-        self, batch: StepBatch, chosen: list[tuple[int, DecodePlan]], generated: list[int]
-    ) -> Composition:
-        return compose(
-            batch,
-            chosen,
-            generated,
-            self._composition,
-            Sources(self.masters, self.caches, self.layout, self.rope),
-            (self.num_kv_heads, self.head_dim),
-            tiled=self.kernel is not None,
         )

@@ -1,5 +1,6 @@
 """compose + decode_cascade against attention over the paged prompt, for prompts that read one
-master more than once (adjacent, apart, beside a request that reads it once), no vLLM.
+master more than once (adjacent, apart, beside a request that reads it once), no vLLM; and the
+own-row pool: a request keeps its slot while the set around it changes.
 
 Every use of a master is its own level (its own offset Δ and its own read mask), so a prompt
 that holds the same document twice attends to both copies. fp32: ≤ 1e-5 absolute.
@@ -14,7 +15,7 @@ import torch
 
 from kmesh_blend.attention.decode import MASKED, MasterRows, decode_cascade
 from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
-from kmesh_blend.vllm.cascade_buffers import Sources, compose
+from kmesh_blend.vllm.cascade_buffers import OwnPool, Sources, compose, gathered
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 
@@ -81,16 +82,17 @@ def _attend(plans, contexts, caches, layout, rope):  # type: ignore[no-untyped-d
     for r, plan in enumerate(plans):
         table[r, : len(plan.block_ids)] = plan.blocks
     chosen = list(enumerate(plans))
-    comp = compose(SimpleNamespace(block_table=table), chosen, [0] * len(plans), None,
-                   Sources(shared, caches, layout, rope), (KV_HEADS, DIM), tiled=False)  # fmt: skip
+    pool = OwnPool(LAYERS, (KV_HEADS, DIM), torch.float32, tiled=False)
+    comp = compose(SimpleNamespace(block_table=table), chosen, [0] * len(plans), None, pool,
+                   Sources(shared, caches, layout, rope))  # fmt: skip
     positions = torch.tensor([p.num_tokens for p in plans])
     q = rope.apply(torch.randn(len(plans), HEADS, DIM, generator=gen), positions)
     out = []
     for layer in range(LAYERS):
-        buffers = comp.layers[layer]
-        levels = [MasterRows(m.k_t[layer], m.v[layer], rope.apply(q, back))
-                  for m, back in comp.masters]  # fmt: skip
-        got = decode_cascade(q, buffers.own, levels, buffers.bias, SCALE)
+        own, bias = gathered(pool, comp, layer)
+        levels = [MasterRows(lv.master.k_t[layer], lv.master.v[layer], rope.apply(q, lv.back))
+                  for lv in comp.levels]  # fmt: skip
+        got = decode_cascade(q, own, levels, bias, SCALE)
         want = []
         for r, context in enumerate(contexts):
             k, v = context[layer]
@@ -99,7 +101,7 @@ def _attend(plans, contexts, caches, layout, rope):  # type: ignore[no-untyped-d
             want.append(torch.einsum("hs,shd->hd", scores.softmax(-1),
                                      v.repeat_interleave(group, 1)))  # fmt: skip
         out.append((got, torch.stack(want)))
-    return out, comp
+    return out, (comp, pool)
 
 
 LAYOUTS = {
@@ -113,8 +115,8 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_every_use_of_a_master_is_attended(name: str) -> None:
-    out, comp = _attend(*_case(LAYOUTS[name]))
-    assert len(comp.masters) == max(len(offsets) for _, offsets in LAYOUTS[name])
+    out, (comp, _) = _attend(*_case(LAYOUTS[name]))
+    assert len(comp.levels) == max(len(offsets) for _, offsets in LAYOUTS[name])
     for got, want in out:
         assert float((got - want).abs().max()) <= 1e-5
 
@@ -123,22 +125,28 @@ def test_a_lost_copy_is_caught() -> None:
     """The comparison can fail: with the second copy's level masked (as when one level per
     master kept only the last use) the output moves far past the bound."""
     plans, contexts, caches, layout, rope = _case(LAYOUTS["apart"])
-    out, comp = _attend(plans, contexts, caches, layout, rope)
+    out, (comp, pool) = _attend(plans, contexts, caches, layout, rope)
     assert float((out[0][0] - out[0][1]).abs().max()) <= 1e-5
-    layer = comp.layers[0]
-    own_width = layer.own.k_t.shape[-1]
-    layer.bias[:, own_width + SIZE :] = MASKED
+    comp.levels[1].bias[0] = MASKED
+    own, bias = gathered(pool, comp, 0)
     q = torch.randn(1, HEADS, DIM, generator=torch.Generator().manual_seed(1))
     q = rope.apply(q, torch.tensor([plans[0].num_tokens]))
-    levels = [MasterRows(m.k_t[0], m.v[0], rope.apply(q, back)) for m, back in comp.masters]
-    got = decode_cascade(q, layer.own, levels, layer.bias, SCALE)
+    levels = [MasterRows(lv.master.k_t[0], lv.master.v[0], rope.apply(q, lv.back))
+              for lv in comp.levels]  # fmt: skip
+    got = decode_cascade(q, own, levels, bias, SCALE)
     assert float((got - out[0][0]).abs().max()) > 1e-3
 
 
+def _rows(pool: OwnPool, slot: int, layer: int = 0) -> tuple[torch.Tensor, ...]:
+    return pool.k[layer][slot].clone(), pool.v[layer][slot].clone(), pool.bias[layer, slot].clone()
+
+
 @pytest.mark.parametrize("tiled", [False, True])
-def test_a_new_set_copies_continuing_requests_rows(tiled: bool) -> None:
-    """When the set of decoding requests changes, a request that decoded in the last set has its
-    rows copied from there: the buffers equal those read afresh from the paged cache."""
+def test_a_request_keeps_its_slot_while_the_set_changes(tiled: bool) -> None:
+    """When the set of decoding requests changes, a request that decoded in the last set keeps
+    its slot and its rows are not read again (a mark put there stays); a newcomer's slot holds
+    what a fresh pool reads for it; a request whose rows are not current (it decoded elsewhere
+    meanwhile) is read again; the pool holds nothing once every request left."""
     plans, _, caches, layout, rope = _case(LAYOUTS["beside_a_single_reader"] + [(30, [6])])
     for plan in plans:
         assert plan.arm(layout, caches, rope) is None
@@ -149,14 +157,34 @@ def test_a_new_set_copies_continuing_requests_rows(tiled: bool) -> None:
         table[r, : len(plan.block_ids)] = plan.blocks
     batch = SimpleNamespace(block_table=table)
     src = Sources(shared, caches, layout, rope)
-    before = compose(batch, list(enumerate(plans[:2])), [0, 0], None, src, (KV_HEADS, DIM), tiled)
-    now = [(1, plans[1]), (2, plans[2])]
-    carried = compose(batch, now, [0, 0], before, src, (KV_HEADS, DIM), tiled)
-    fresh = compose(batch, now, [0, 0], None, src, (KV_HEADS, DIM), tiled)
-    for a, b in zip(carried.layers, fresh.layers, strict=True):
-        assert torch.equal(a.own.k_t, b.own.k_t) and torch.equal(a.own.v, b.own.v)
-        assert torch.equal(a.bias, b.bias) and torch.equal(a.first_free, b.first_free)
-    # the copy is what made them equal: request 1's rows in `before` changed show up
-    before.layers[0].own.v[1].add_(1.0)
-    changed = compose(batch, now, [0, 0], before, src, (KV_HEADS, DIM), tiled)
-    assert not torch.equal(changed.layers[0].own.v, fresh.layers[0].own.v)
+    dtype = caches[0].dtype
+
+    def new_pool() -> OwnPool:
+        return OwnPool(LAYERS, (KV_HEADS, DIM), dtype, tiled=tiled)
+
+    pool = new_pool()
+    before = compose(batch, list(enumerate(plans[:2])), [0, 0], None, pool, src)
+    kept = int(before.slots[1])
+    pool.v[0][kept].add_(1.0)  # a mark: gone if its rows were read again
+    marked = _rows(pool, kept)
+    now = compose(batch, [(1, plans[1]), (2, plans[2])], [0, 0], before, pool, src)
+    assert int(now.slots[0]) == kept
+    assert all(torch.equal(a, b) for a, b in zip(_rows(pool, kept), marked, strict=True))
+    fresh_pool = new_pool()
+    fresh = compose(batch, [(2, plans[2])], [0], None, fresh_pool, src)
+    got, want = _rows(pool, int(now.slots[1])), _rows(fresh_pool, int(fresh.slots[0]))
+    columns = want[2].numel()  # the pools' widths may differ: compare the fresh one's columns
+    assert torch.equal(got[2][:columns], want[2]) and not bool((got[2][columns:] == 0).any())
+    if tiled:
+        assert torch.equal(got[0][:, : columns // 16], want[0])
+        assert torch.equal(got[1][:, : columns // 2], want[1])
+    else:
+        assert torch.equal(got[0][..., :columns], want[0])
+        assert torch.equal(got[1][:, :columns], want[1])
+    assert torch.equal(now.first_free[:, 1], fresh.first_free[:, 0])
+    # not current: request 1 holds no generated row, it is asked for one (read from its blocks)
+    compose(batch, [(1, plans[1])], [1], now, pool, src)
+    assert not torch.equal(_rows(pool, kept)[1], marked[1])
+    for plan in plans:
+        pool.release(plan.req_id)
+    assert pool.size == 0 and pool.nbytes == 0

@@ -43,7 +43,10 @@ def test_layouts_round_trip_and_place_each_element() -> None:
 def _case(
     dtype: torch.dtype, n: int, heads: int, kv_heads: int, dim: int, own: int, sizes: list[int]
 ) -> tuple[tuple[Any, ...], torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Kernel arguments, the reference output [n, H, D], and the own buffers after the step."""
+    """Kernel arguments, the reference output [n, H, D], and the own buffers after the step.
+
+    The own rows sit in a pool of n + 2 slots, request r's in a shuffled slot: the two others
+    hold rows no request reads (the kernel must neither read nor write them)."""
     gen = torch.Generator().manual_seed(n * 1000 + dim + own)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -52,7 +55,11 @@ def _case(
     steps = n + 3
     tokens = torch.randperm(steps, generator=gen)[:n].contiguous()
     q, k, v = rand(steps, heads, dim), rand(steps, kv_heads, dim), rand(steps, kv_heads, dim)
-    own_k, own_v = rand(n, kv_heads, dim, own), rand(n, kv_heads, own, dim)
+    pool = n + 2
+    slots = torch.randperm(pool, generator=gen)[:n].contiguous()
+    own_k, own_v = rand(pool, kv_heads, dim, own), rand(pool, kv_heads, own, dim)
+    pool_bias = torch.zeros(pool, own)
+    pool_bias[torch.rand(pool, own, generator=gen) < 0.2] = MASKED
     bias = torch.zeros(n, own + sum(sizes))
     bias[torch.rand(n, own + sum(sizes), generator=gen) < 0.2] = MASKED
     if len(sizes) > 1:
@@ -62,23 +69,26 @@ def _case(
     rotations = [
         torch.linalg.qr(torch.randn(n, dim, dim, generator=gen))[0].contiguous() for _ in sizes
     ]
-    want_k, want_v, want_bias = own_k.clone(), own_v.clone(), bias.clone()
+    bias[:, :own] = pool_bias[slots]
+    want_k, want_v, want_bias = own_k.clone(), own_v.clone(), pool_bias.clone()
     for r in range(n):
-        want_k[r, :, :, cols[r]] = k[tokens[r]]
-        want_v[r, :, cols[r]] = v[tokens[r]]
-        want_bias[r, cols[r]] = 0.0
+        want_k[slots[r], :, :, cols[r]] = k[tokens[r]]
+        want_v[slots[r], :, cols[r]] = v[tokens[r]]
+        want_bias[slots[r], cols[r]] = 0.0
+        bias[r, cols[r]] = 0.0
     qf = q[tokens].float()
     rows = [
         MasterRows(mk.float(), mv.float(), torch.bmm(qf, rot))
         for (mk, mv), rot in zip(masters, rotations, strict=True)
     ]
-    want = decode_cascade(qf, OwnRows(want_k.float(), want_v.float()), rows, want_bias, 0.125)
+    own_rows = OwnRows(want_k[slots].float(), want_v[slots].float())
+    want = decode_cascade(qf, own_rows, rows, bias, 0.125)
     starts = [own]
     for s in sizes:
         starts.append(starts[-1] + s)
     args = (
         torch.zeros(steps, heads, dim, dtype=dtype), tokens, q, k, v,
-        tile_keys(own_k), pair_values(own_v), bias[:, :own], cols,
+        tile_keys(own_k), pair_values(own_v), pool_bias, slots, cols,
         [tile_keys(mk) for mk, _ in masters], [pair_values(mv) for _, mv in masters],
         [bias[:, a:b] for a, b in itertools.pairwise(starts)], rotations, 0.125,
     )  # fmt: skip
@@ -105,7 +115,7 @@ def test_kernel_matches_the_reference(kernel: Any, dtype: torch.dtype, shape: tu
     assert err <= TOL[dtype], err
     # this step's K/V joined the own rows in place, and their bias reads them
     assert torch.equal(args[5], want_k) and torch.equal(args[6], want_v)
-    assert torch.equal(args[7], want_bias[:, : args[7].shape[1]])
+    assert torch.equal(args[7], want_bias)  # the pool's other slots untouched too
     others = torch.ones(out.shape[0], dtype=torch.bool)
     others[tokens] = False
     assert not out[others].any()  # rows of other tokens untouched
@@ -115,7 +125,7 @@ def test_a_masked_row_weighs_nothing(kernel: Any) -> None:
     """A master row masked for a request changes nothing of its output however large its
     score; unmasking it does."""
     args, _, _ = _case(torch.float32, 2, 4, 2, 64, 32, [64])
-    master_k, bias = args[9][0], args[11][0]
+    master_k, bias = args[10][0], args[12][0]
     bias[0, 7] = MASKED
     kernel(*args)
     first = args[0].clone()
@@ -130,8 +140,10 @@ def test_a_masked_row_weighs_nothing(kernel: Any) -> None:
     [
         (6, lambda t: t[..., :1].contiguous(), "own_v"),
         (7, lambda t: t.double(), "own_bias"),
-        (8, lambda t: t + 1000, "cols"),
-        (12, lambda ts: [t[:, :5] for t in ts], "rotation"),
+        (8, lambda t: t.flip(0) * 0, "own_slots"),  # two requests in one slot
+        (8, lambda t: t + 1000, "own_slots"),
+        (9, lambda t: t + 1000, "cols"),
+        (13, lambda ts: [t[:, :5] for t in ts], "rotation"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(kernel: Any, field: int, bad: Any, message: str) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from kmesh_blend.cpu import cpu_kernel_expected
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint, smollm2_checkpoint
-from kmesh_blend.testing.engine import kv_transfer_config, make_llm
+from kmesh_blend.testing.engine import kv_transfer_config, live_worker, make_llm
 
 pytestmark = pytest.mark.vllm
 
@@ -106,10 +106,25 @@ def _serve(path: Path, dtype: str, model: str, doc_len: int, **kmesh: Any) -> li
                 tail = outs.pop()
             out += outs
         assert tail is not None
+        if kmesh.get("cascade_decode"):
+            _check_clock(tokens)
         return [*out, tail]
     finally:
         del llm
         gc.collect()
+
+
+def _check_clock(tokens: int) -> None:
+    """Every cascade step was timed in its parts (`CascadeDecode.clock`): each family's steps
+    after its first token, each with its requests counted; the family of 4 decoded beside the
+    unannotated prompt on vLLM's kernel."""
+    cascade = live_worker().cascade
+    if cascade is None or cascade.broken is not None:
+        return  # (tests of a failed self-check, of an error inside the path)
+    steps = list(cascade.clock.steps)
+    assert sum(s.cascade for s in steps) == sum(FAMILIES) * (tokens - 1), steps
+    assert all(s.plan_s > 0 and s.cascade_s > 0 for s in steps)
+    assert sum(1 for s in steps if s.others == 1 and s.others_s > 0) == tokens - 1
 
 
 MODELS: dict[str, tuple[Callable[[], Path], int]] = {

@@ -1,0 +1,52 @@
+"""What each recent cascade step cost, in parts: measured on the hot path for a few clock reads.
+
+`kmesh_blend.vllm.cascade_decode` opens a `StepParts` when a step's plan is built and adds to
+it per layer; the last `KEEP` steps stay (a bounded deque: a server runs for weeks). The load
+benchmark (`bench/cascade_load.py`) reads them to split a step into its parts. Plain Python.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["KEEP", "StepClock", "StepParts"]
+
+KEEP = 4096  # steps kept
+
+
+@dataclass
+class StepParts:
+    """One step that ran the cascade path: ``cascade`` requests decoding in cascade, ``others``
+    query rows of the step's other requests (vLLM's kernel); seconds, summed over layers, in
+    ``plan_s`` (matching requests to plans, placing own rows, composing the set's levels: once
+    per step), ``cascade_s`` (the cascade kernel, or its torch fallback) and ``others_s``
+    (vLLM's kernel on the other rows, and their copy into the output)."""
+
+    serial: int
+    cascade: int
+    others: int
+    plan_s: float = 0.0
+    cascade_s: float = 0.0
+    others_s: float = 0.0
+
+
+class StepClock:
+    """The parts of the last `KEEP` cascade steps; ``serial`` counts every step ever opened."""
+
+    def __init__(self, keep: int = KEEP) -> None:
+        self.steps: deque[StepParts] = deque(maxlen=keep)
+        self.serial = 0
+
+    now = staticmethod(time.perf_counter)
+
+    def open(self, cascade: int, others: int, plan_s: float) -> StepParts:
+        self.serial += 1
+        parts = StepParts(self.serial, cascade, others, plan_s)
+        self.steps.append(parts)
+        return parts
+
+    def since(self, serial: int) -> list[StepParts]:
+        """The kept steps opened after step ``serial``."""
+        return [s for s in self.steps if s.serial > serial]
