@@ -4,8 +4,8 @@
 K/V to each request's own rows, attends to them and to every master level, writes the output
 rows, in one call, K/V in the cache dtype); `attend_torch` does the same in plain torch on fp32
 copies (`kmesh_blend.attention.decode.decode_cascade`). Both read a `Step`: the requests
-decoding in cascade this step, their levels, and their own rows' slots in the engine's pool
-(`kmesh_blend.vllm.cascade_buffers`).
+decoding in cascade this step in groups (those reading common masters), each group's levels,
+and their own rows' slots in the engine's pool (`kmesh_blend.vllm.cascade_buffers`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from kmesh_blend.attention.decode import MasterRows, decode_cascade
 from kmesh_blend.models.rope import RotaryEmbedding
-from kmesh_blend.vllm.cascade_buffers import Composition, OwnPool, gathered
+from kmesh_blend.vllm.cascade_buffers import Group, OwnPool, gathered
 from kmesh_blend.vllm.paged import PagedLayout
 from kmesh_blend.vllm.seam.cpu_attention import KernelBatch
 
@@ -53,8 +53,9 @@ class Step(NamedTuple):
     """n requests decoding in cascade in one step."""
 
     tokens: torch.Tensor  # [n] int64 query rows of the cascade requests
-    composition: Composition
-    generated: torch.Tensor  # [n] int64: generated rows before this step's token
+    # per group (`cascade_buffers.Group`): the group, its query rows [g] int64 and its generated
+    # rows before this step's token [g] int64
+    groups: list[tuple[Group, torch.Tensor, torch.Tensor]]
     others: tuple[torch.Tensor, KernelBatch] | None  # the step's other requests, for vLLM
 
 
@@ -63,26 +64,27 @@ def attend_kernel(kernel: Kernel, index: int, step: Step, pool: OwnPool, query: 
                   scale: float) -> None:  # fmt: skip
     """Layer ``index`` on the CPU kernel: query [t, H·D], key / value [t, Hkv·D] of the whole
     step; writes the cascade requests' rows of ``out`` [t, H, D] and appends this step's K/V to
-    their slots of ``pool``. One call per `per_call(heads)` requests (the kernel keeps
-    n · H/Hkv query rows in reach: at most 64); each call reads the masters once more."""
-    composition = step.composition
-    cols = composition.first_free[index] + step.generated
+    their slots of ``pool``. Per group, one call per `per_call(heads)` requests (the kernel
+    keeps n · H/Hkv query rows in reach: at most 64); each call reads its group's masters."""
     num_heads, kv_heads, dim = heads
     query, key, value = (query.view(-1, num_heads, dim), key.view(-1, kv_heads, dim),
                          value.view(-1, kv_heads, dim))  # fmt: skip
-    levels = composition.levels
-    master_k = [level.master.k_t[index] for level in levels]
-    master_v = [level.master.v[index] for level in levels]
-    biases = [level.bias[index] for level in levels]
     own_k, own_v, own_bias = pool.k[index], pool.v[index], pool.bias[index]
-    n, chunk = int(step.tokens.numel()), per_call(heads)
-    for a in range(0, n, chunk):
-        b = min(a + chunk, n)
-        kernel(
-            out, step.tokens[a:b], query, key, value, own_k, own_v, own_bias,
-            composition.slots[a:b], cols[a:b], master_k, master_v,
-            [bias[a:b] for bias in biases], [r[a:b] for r in composition.rotations], scale,
-        )  # fmt: skip
+    chunk = per_call(heads)
+    for group, tokens, generated in step.groups:
+        cols = group.first_free[index] + generated
+        levels = group.levels
+        master_k = [level.master.k_t[index] for level in levels]
+        master_v = [level.master.v[index] for level in levels]
+        biases = [level.bias[index] for level in levels]
+        n = int(tokens.numel())
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            kernel(
+                out, tokens[a:b], query, key, value, own_k, own_v, own_bias, group.slots[a:b],
+                cols[a:b], master_k, master_v, [bias[a:b] for bias in biases],
+                [r[a:b] for r in group.rotations], scale,
+            )  # fmt: skip
 
 
 def per_call(heads: Heads) -> int:
@@ -91,22 +93,22 @@ def per_call(heads: Heads) -> int:
 
 
 def attend_torch(index: int, step: Step, pool: OwnPool, query: torch.Tensor,
-                 key: torch.Tensor, value: torch.Tensor, heads: Heads, rope: RotaryEmbedding,
-                 scale: float) -> torch.Tensor:  # fmt: skip
+                 key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, heads: Heads,
+                 rope: RotaryEmbedding, scale: float) -> None:  # fmt: skip
     """Layer ``index`` in plain torch: this step's token of every cascade request joins its
-    own rows in ``pool``, then attends; → [n, H, D] fp32."""
-    composition = step.composition
-    slots = composition.slots
-    cols = composition.first_free[index] + step.generated
-    shape = (slots.numel(), heads.num_kv_heads, heads.head_dim)
-    pool.k[index][slots, :, :, cols] = key[step.tokens].reshape(shape).float()
-    pool.v[index][slots, :, cols] = value[step.tokens].reshape(shape).float()
-    pool.bias[index][slots, cols] = 0.0
-    query_f32 = query[step.tokens].float()
-    masters = [
-        # The same −Δ tensor every layer: the rotary tables are memoized for it.
-        MasterRows(lv.master.k_t[index], lv.master.v[index], rope.apply(query_f32, lv.back))
-        for lv in composition.levels
-    ]
-    own, bias = gathered(pool, composition, index)
-    return decode_cascade(query_f32, own, masters, bias, scale)
+    own rows in ``pool``, then attends (fp32); writes their rows of ``out`` [t, H, D]."""
+    for group, tokens, generated in step.groups:
+        slots = group.slots
+        cols = group.first_free[index] + generated
+        shape = (slots.numel(), heads.num_kv_heads, heads.head_dim)
+        pool.k[index][slots, :, :, cols] = key[tokens].reshape(shape).float()
+        pool.v[index][slots, :, cols] = value[tokens].reshape(shape).float()
+        pool.bias[index][slots, cols] = 0.0
+        query_f32 = query[tokens].view(-1, heads.num_heads, heads.head_dim).float()
+        masters = [
+            # The same −Δ tensor every layer: the rotary tables are memoized for it.
+            MasterRows(lv.master.k_t[index], lv.master.v[index], rope.apply(query_f32, lv.back))
+            for lv in group.levels
+        ]
+        own, bias = gathered(pool, group, index)
+        out[tokens] = decode_cascade(query_f32, own, masters, bias, scale).to(out.dtype)

@@ -4,9 +4,11 @@ Owned by `kmesh_blend.vllm.cascade_decode`. Each request's own rows (the prompt 
 read from a master, then its generated rows) live in one slot of an `OwnPool` from its first
 cascade step to its last: read out of its paged blocks (and mirror) once, then appended in place
 by every step (the CPU kernel writes this step's key/value into the slot itself). A `Composition`
-is what a set of requests decoding together adds: their slots and one level per master use (read
-masks, the query rotations). When the set changes (a request joins or leaves, which under load is
-most steps) only the composition is built again; the own rows stay where they are. Two layouts:
+is what a set of requests decoding together adds: their slots, and per group of requests that
+read common masters (a family) one level per master use (read masks, the query rotations): a
+request never scores a master it does not read. When the set changes (a request joins or leaves,
+which under load is most steps) only the composition is built again; the own rows stay where
+they are. Two layouts:
 fp32 copies for the plain-torch path, or the KV dtype in the CPU kernel's tiles
 (`kmesh_blend.cpu.layout`). Plain torch, no vLLM import.
 """
@@ -26,7 +28,17 @@ from kmesh_blend.vllm.paged import PagedLayout
 if TYPE_CHECKING:
     from kmesh_blend.vllm.seam.cpu_attention import StepBatch
 
-__all__ = ["HEADROOM", "Composition", "Level", "OwnPool", "Sources", "compose", "gathered"]
+__all__ = [
+    "HEADROOM",
+    "Composition",
+    "Group",
+    "Level",
+    "OwnPool",
+    "Sources",
+    "compose",
+    "gathered",
+    "partition",
+]
 
 HEADROOM = 32  # own columns added at least when a slot runs out (the pool grows by copying)
 FIRST_SLOTS = 4  # slots of a new pool (doubled when all are taken)
@@ -171,23 +183,33 @@ class OwnPool:
 
 
 class Level(NamedTuple):
-    """One master level of a set of n requests: the master, −Δ per request [n] int64, and per
-    layer which of its rows each request reads, ``bias`` [L, n, S] fp32 (0 or MASKED)."""
+    """One master level of a group of g requests: the master, −Δ per request [g] int64, and per
+    layer which of its rows each request reads, ``bias`` [L, g, S] fp32 (0 or MASKED)."""
 
     master: SharedMaster
     back: torch.Tensor
     bias: torch.Tensor
 
 
-class Composition(NamedTuple):
-    """A set of requests (``key``: their ids, in batch order) decoding together."""
+class Group(NamedTuple):
+    """Requests of a set joined by the masters they read (a family), with the levels of those
+    masters only: no request scores a master it does not read."""
 
-    key: tuple[str, ...]
-    slots: torch.Tensor  # [n] int64: each request's slot in the pool
-    first_free: torch.Tensor  # [L, n] int64: where each request's generated rows start
+    rows: torch.Tensor  # [g] int64: the requests' places in the set
+    slots: torch.Tensor  # [g] int64: their slots in the pool
+    first_free: torch.Tensor  # [L, g] int64: where their generated rows start
     # one level per master and k-th use of it in a request
     levels: list[Level]
-    rotations: list[torch.Tensor]  # per level [n, D, D] fp32: q · R rotates q by −Δ (kernel)
+    rotations: list[torch.Tensor]  # per level [g, D, D] fp32: q · R rotates q by −Δ (kernel)
+
+
+class Composition(NamedTuple):
+    """A set of requests (``key``: their ids, in batch order) decoding together: their slots,
+    and their groups."""
+
+    key: tuple[str, ...]
+    slots: list[int]
+    groups: list[Group]
 
 
 def compose(
@@ -207,38 +229,70 @@ def compose(
     ]
     pool.ensure(int((pool.first_free[:, slots].max(0).values + torch.tensor(generated)).max()) + 1)
     key = tuple(plan.req_id for _, plan in chosen)
-    if last is not None and last.key == key and last.slots.tolist() == slots:
+    if last is not None and last.key == key and last.slots == slots:
         return last
-    n, num_layers = len(chosen), len(src.caches)
+    plans = [plan for _, plan in chosen]
+    groups = [_group(members, plans, slots, pool, src) for members in partition(plans)]
+    return Composition(key, slots, groups)
+
+
+def partition(plans: list[DecodePlan]) -> list[list[int]]:
+    """``plans``' places grouped by the masters they read: two plans that read a common master
+    are in one group (ascending, groups in the order of their first plan)."""
+    parent = list(range(len(plans)))
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    first: dict[str, int] = {}  # master key → the first plan reading it
+    for r, plan in enumerate(plans):
+        for use in plan.uses:
+            if use.key in first:
+                parent[root(r)] = root(first[use.key])
+            else:
+                first[use.key] = r
+    groups: dict[int, list[int]] = {}
+    for r in range(len(plans)):
+        groups.setdefault(root(r), []).append(r)
+    return list(groups.values())
+
+
+def _group(members: list[int], plans: list[DecodePlan], slots: list[int], pool: OwnPool,
+           src: Sources) -> Group:  # fmt: skip
     # One master level per (master, k-th use of it in a request): a prompt that reads one
     # document twice attends to both copies, each at its own offset (one Δ per level).
     readers: dict[tuple[str, int], list[tuple[int, MasterUse, torch.Tensor]]] = {}
-    for r, (_, plan) in enumerate(chosen):
+    for j, r in enumerate(members):
         seen: dict[str, int] = {}
-        for use, rows in zip(plan.uses, plan.shared, strict=True):
+        for use, rows in zip(plans[r].uses, plans[r].shared, strict=True):
             nth = seen[use.key] = seen.get(use.key, -1) + 1
-            readers.setdefault((use.key, nth), []).append((r, use, rows))
+            readers.setdefault((use.key, nth), []).append((j, use, rows))
+    g, num_layers = len(members), len(src.caches)
     levels = []
     for (master_key, _), group in readers.items():
         master = src.masters[master_key]
-        deltas = torch.zeros(n, dtype=torch.int64)
-        bias = torch.full((num_layers, n, master.size), MASKED)
-        for r, use, rows in group:
-            deltas[r] = use.start - master.first
-            bias[:, r] = torch.where(rows, 0.0, MASKED)  # rows [L, S] bool
+        deltas = torch.zeros(g, dtype=torch.int64)
+        bias = torch.full((num_layers, g, master.size), MASKED)
+        for j, use, rows in group:
+            deltas[j] = use.start - master.first
+            bias[:, j] = torch.where(rows, 0.0, MASKED)  # rows [L, S] bool
         levels.append(Level(master, -deltas, bias))
-    index = torch.tensor(slots, dtype=torch.int64)
+    index = torch.tensor([slots[r] for r in members], dtype=torch.int64)
     rotations = []
     if pool.tiled:  # q · R = the query rotated by −Δ (RoPE is linear in q)
-        basis = torch.eye(pool.dim).expand(n, -1, -1).contiguous()
+        basis = torch.eye(pool.dim).expand(g, -1, -1).contiguous()
         rotations = [src.rope.apply(basis, level.back).contiguous() for level in levels]
-    return Composition(key, index, pool.first_free[:, index], levels, rotations)
+    rows = torch.tensor(members, dtype=torch.int64)
+    return Group(rows, index, pool.first_free[:, index], levels, rotations)
 
 
-def gathered(pool: OwnPool, composition: Composition, layer: int) -> tuple[OwnRows, torch.Tensor]:
-    """The torch path's inputs of layer ``layer``: the set's own rows (copies gathered from
-    their slots) and its bias [n, C + ΣS] fp32 over own rows then every level."""
-    slots = composition.slots
+def gathered(pool: OwnPool, group: Group, layer: int) -> tuple[OwnRows, torch.Tensor]:
+    """The torch path's inputs of layer ``layer``: the group's own rows (copies gathered from
+    their slots) and its bias [g, C + ΣS] fp32 over own rows then every level."""
+    slots = group.slots
     own = OwnRows(pool.k[layer][slots], pool.v[layer][slots])
-    levels = (level.bias[layer] for level in composition.levels)
+    levels = (level.bias[layer] for level in group.levels)
     return own, torch.cat((pool.bias[layer][slots], *levels), dim=1)

@@ -19,15 +19,18 @@ KEEP = 4096  # steps kept
 @dataclass
 class StepParts:
     """One step that ran the cascade path: ``cascade`` requests decoding in cascade, ``others``
-    query rows of the step's other requests (vLLM's kernel); seconds, summed over layers, in
-    ``plan_s`` (matching requests to plans, placing own rows, composing the set's levels: once
-    per step), ``cascade_s`` (the cascade kernel, or its torch fallback) and ``others_s``
-    (vLLM's kernel on the other rows, and their copy into the output)."""
+    query rows of the step's other requests (vLLM's kernel); seconds, summed over layers:
+    ``plan_s`` matching requests to plans, placing own rows and composing the set's levels (once
+    per step), of it ``arm_s`` arming the step's new readers (verifying their rows against the
+    masters, tiling a new master, giving blocks back: once per request); ``cascade_s`` the
+    cascade kernel (or its torch fallback); ``others_s`` vLLM's kernel on the other rows and
+    their copy into the output."""
 
     serial: int
     cascade: int
     others: int
     plan_s: float = 0.0
+    arm_s: float = 0.0
     cascade_s: float = 0.0
     others_s: float = 0.0
 
@@ -41,9 +44,9 @@ class StepClock:
 
     now = staticmethod(time.perf_counter)
 
-    def open(self, cascade: int, others: int, plan_s: float) -> StepParts:
+    def open(self, cascade: int, others: int, plan_s: float, arm_s: float = 0.0) -> StepParts:
         self.serial += 1
-        parts = StepParts(self.serial, cascade, others, plan_s)
+        parts = StepParts(self.serial, cascade, others, plan_s, arm_s)
         self.steps.append(parts)
         return parts
 

@@ -87,6 +87,7 @@ class CascadeDecode:
         self.sharing: Sharing | None = None  # with kmesh.share_kv_memory (`share`)
         self.clock = StepClock()  # the parts of recent cascade steps
         self._parts: StepParts | None = None
+        self._arm_s = 0.0  # of this step's plan: arming new readers (once per request)
 
     def share(self, world_size: int, cap: int) -> None:
         """Give back readers' segment blocks from now on (``kmesh.share_kv_memory``), their
@@ -156,7 +157,7 @@ class CascadeDecode:
             self._meta, self._step, self._parts = stamp, None, None
             # paused: only readers whose blocks went back still need the path
             if self.plans and self.broken is None and (not self.paused or self.num_pinned):
-                start = self.clock.now()
+                start, self._arm_s = self.clock.now(), 0.0
                 try:
                     self._step = self._build(batch, layer, query.dtype, only_pinned=self.paused)
                 except Exception as exc:
@@ -167,6 +168,7 @@ class CascadeDecode:
                         int(self._step.tokens.numel()),
                         0 if others is None else int(others[0].numel()),
                         self.clock.now() - start,
+                        self._arm_s,
                     )
         step, parts = self._step, self._parts
         if step is None or parts is None:
@@ -178,7 +180,7 @@ class CascadeDecode:
             if self.kernel is not None:
                 self._run_kernel(index, step, layer, query, key, value, out)
             else:
-                out[step.tokens] = self._attend(index, step, layer, query, key, value).to(out.dtype)
+                self._attend(index, step, layer, query, key, value, out)
             middle = self.clock.now()
             parts.cascade_s += middle - start
             if step.others is not None:
@@ -218,9 +220,9 @@ class CascadeDecode:
                       attn_scale(layer))  # fmt: skip
 
     def _attend(self, index: int, step: Step, layer: AttnLayer, query: torch.Tensor,
-                key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        return attend_torch(index, step, self.pool, query, key, value, self.heads, self.rope,
-                            attn_scale(layer))  # fmt: skip
+                key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
+        attend_torch(index, step, self.pool, query, key, value, out, self.heads, self.rope,
+                     attn_scale(layer))  # fmt: skip
 
     def _break(self, exc: Exception) -> None:
         pinned = self.num_pinned
@@ -261,8 +263,10 @@ class CascadeDecode:
                     self.drop(req_id, _PREEMPTED.format("its prompt was computed again"))
                 continue
             if not plan.armed:
+                start = self.clock.now()
                 reason = plan.arm(self.layout, self.caches, self.rope)
                 if reason is not None:
+                    self._arm_s += self.clock.now() - start
                     self.drop(req_id, reason)
                     continue
                 for use in plan.uses:
@@ -275,6 +279,7 @@ class CascadeDecode:
                     field, value = self.sharing.consider(plan, self.layout.block_size,
                                                          self.layout, self.caches)  # fmt: skip
                     self.reports.setdefault(req_id, {})[field] = value
+                self._arm_s += self.clock.now() - start
             chosen.append((i, plan))
         if not chosen:
             return None
@@ -290,12 +295,13 @@ class CascadeDecode:
         sources = Sources(self.masters, self.caches, self.layout, self.rope)
         composition = compose(batch, chosen, generated, self._composition, self.pool, sources)
         self._composition = composition
-        for slot, g in zip(composition.slots.tolist(), generated, strict=True):
+        for slot, g in zip(composition.slots, generated, strict=True):
             self.pool.filled[slot] = g + 1  # this step's row, appended by every layer
         others = sorted(set(range(num_reqs)) - set(rows))
+        tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
+        done = torch.tensor(generated, dtype=torch.int64)
         return Step(
-            torch.tensor([starts[i] for i in rows], dtype=torch.int64),
-            composition,
-            torch.tensor(generated, dtype=torch.int64),
+            tokens,
+            [(group, tokens[group.rows], done[group.rows]) for group in composition.groups],
             sub_batch(batch, layer, dtype, others, starts) if others else None,
         )

@@ -15,7 +15,7 @@ import torch
 
 from kmesh_blend.attention.decode import MASKED, MasterRows, decode_cascade
 from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
-from kmesh_blend.vllm.cascade_buffers import OwnPool, Sources, compose, gathered
+from kmesh_blend.vllm.cascade_buffers import OwnPool, Sources, compose, gathered, partition
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 
@@ -38,17 +38,20 @@ def _master(gen: torch.Generator, rope: RotaryEmbedding) -> SimpleNamespace:
     return SimpleNamespace(kv=torch.stack((k, v), 1), positions=pos)
 
 
-def _case(layouts: list[tuple[int, list[int]]], seed: int = 0):  # type: ignore[no-untyped-def]
-    """Requests of ``total`` tokens holding the master at each offset of ``offsets``; a few
-    rows of each copy replaced by the request's own. Returns what compose needs and, per
-    request, its paged prompt K/V per layer (the materialized context)."""
+def _case(layouts: list[tuple[int, list[int]]], seed: int = 0,  # type: ignore[no-untyped-def]
+          masters: int = 1):  # fmt: skip
+    """Requests of ``total`` tokens holding a master at each offset of ``offsets`` (request r
+    reads master ``m{r % masters}``); a few rows of each copy replaced by the request's own.
+    Returns what compose needs and, per request, its paged prompt K/V per layer (the
+    materialized context)."""
     gen = torch.Generator().manual_seed(seed)
     rope = RotaryEmbedding(RopeConfig(head_dim=DIM))
-    master, layout = _master(gen, rope), _layout()
+    stored, layout = [_master(gen, rope) for _ in range(masters)], _layout()
     num_blocks = sum(-(-total // BLOCK) for total, _ in layouts)
     caches = [torch.zeros(num_blocks, KV_HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
     plans, contexts, free = [], [], list(range(num_blocks))[::-1]
     for r, (total, offsets) in enumerate(layouts):
+        master = stored[r % masters]
         blocks = [free.pop() for _ in range(-(-total // BLOCK))]
         slots = slot_mapping(blocks, BLOCK, 0, total)
         context = []
@@ -64,7 +67,7 @@ def _case(layouts: list[tuple[int, list[int]]], seed: int = 0):  # type: ignore[
                 v[offset + own] -= 0.5
             layout.write(cache, k, v, slots)
             context.append((k, v))
-        uses = [MasterUse("m", o, o + SIZE, master) for o in offsets]
+        uses = [MasterUse(f"m{r % masters}", o, o + SIZE, master) for o in offsets]
         plans.append(DecodePlan(f"r{r}", blocks, slots, uses))
         contexts.append(context)
     return plans, contexts, caches, layout, rope
@@ -76,7 +79,7 @@ def _attend(plans, contexts, caches, layout, rope):  # type: ignore[no-untyped-d
     gen = torch.Generator().manual_seed(1)
     for plan in plans:  # (a plan armed by the caller keeps what it verified then)
         assert plan.armed or plan.arm(layout, caches, rope) is None
-    shared = {"m": SharedMaster.of(plans[0].uses[0].master, torch.float32)}
+    shared = {u.key: SharedMaster.of(u.master, torch.float32) for p in plans for u in p.uses}
     width = max(len(p.block_ids) for p in plans)
     table = torch.zeros(len(plans), width, dtype=torch.int64)
     for r, plan in enumerate(plans):
@@ -89,10 +92,13 @@ def _attend(plans, contexts, caches, layout, rope):  # type: ignore[no-untyped-d
     q = rope.apply(torch.randn(len(plans), HEADS, DIM, generator=gen), positions)
     out = []
     for layer in range(LAYERS):
-        own, bias = gathered(pool, comp, layer)
-        levels = [MasterRows(lv.master.k_t[layer], lv.master.v[layer], rope.apply(q, lv.back))
-                  for lv in comp.levels]  # fmt: skip
-        got = decode_cascade(q, own, levels, bias, SCALE)
+        got = torch.zeros(len(plans), HEADS, DIM)
+        for group in comp.groups:
+            own, bias = gathered(pool, group, layer)
+            qg = q[group.rows]
+            levels = [MasterRows(lv.master.k_t[layer], lv.master.v[layer],
+                                 rope.apply(qg, lv.back)) for lv in group.levels]  # fmt: skip
+            got[group.rows] = decode_cascade(qg, own, levels, bias, SCALE)
         want = []
         for r, context in enumerate(contexts):
             k, v = context[layer]
@@ -116,9 +122,31 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_every_use_of_a_master_is_attended(name: str) -> None:
     out, (comp, _) = _attend(*_case(LAYOUTS[name]))
-    assert len(comp.levels) == max(len(offsets) for _, offsets in LAYOUTS[name])
+    assert len(comp.groups) == 1  # one master: one family
+    assert len(comp.groups[0].levels) == max(len(offsets) for _, offsets in LAYOUTS[name])
     for got, want in out:
         assert float((got - want).abs().max()) <= 1e-5
+
+
+def test_families_decoding_together_score_only_their_own_master() -> None:
+    """Requests of two families in one set: two groups, each with its master's level only
+    (no request scores rows it cannot read), and every output as over its paged prompt."""
+    layouts = [(5 + SIZE + 3, [5]), (2 + SIZE + 6, [2]), (9 + SIZE, [9]), (1 + 2 * SIZE, [1])]
+    out, (comp, _) = _attend(*_case(layouts, masters=2))
+    assert [g.rows.tolist() for g in comp.groups] == [[0, 2], [1, 3]]
+    assert [len(g.levels) for g in comp.groups] == [1, 1]
+    assert comp.groups[0].levels[0].master is not comp.groups[1].levels[0].master
+    for got, want in out:
+        assert float((got - want).abs().max()) <= 1e-5
+
+
+def test_partition_joins_plans_through_any_master_they_share() -> None:
+    def plan(*keys: str) -> SimpleNamespace:
+        return SimpleNamespace(uses=[SimpleNamespace(key=k) for k in keys])
+
+    plans = [plan("a"), plan("b"), plan("c", "a"), plan("d"), plan("b", "c"), plan("e")]
+    assert partition(plans) == [[0, 1, 2, 4], [3], [5]]  # type: ignore[arg-type]
+    assert partition([]) == []
 
 
 def test_a_lost_copy_is_caught() -> None:
@@ -127,12 +155,13 @@ def test_a_lost_copy_is_caught() -> None:
     plans, contexts, caches, layout, rope = _case(LAYOUTS["apart"])
     out, (comp, pool) = _attend(plans, contexts, caches, layout, rope)
     assert float((out[0][0] - out[0][1]).abs().max()) <= 1e-5
-    comp.levels[1].bias[0] = MASKED
-    own, bias = gathered(pool, comp, 0)
+    group = comp.groups[0]
+    group.levels[1].bias[0] = MASKED
+    own, bias = gathered(pool, group, 0)
     q = torch.randn(1, HEADS, DIM, generator=torch.Generator().manual_seed(1))
     q = rope.apply(q, torch.tensor([plans[0].num_tokens]))
     levels = [MasterRows(lv.master.k_t[0], lv.master.v[0], rope.apply(q, lv.back))
-              for lv in comp.levels]  # fmt: skip
+              for lv in group.levels]  # fmt: skip
     got = decode_cascade(q, own, levels, bias, SCALE)
     assert float((got - out[0][0]).abs().max()) > 1e-3
 
@@ -150,7 +179,7 @@ def test_a_request_keeps_its_slot_while_the_set_changes(tiled: bool) -> None:
     plans, _, caches, layout, rope = _case(LAYOUTS["beside_a_single_reader"] + [(30, [6])])
     for plan in plans:
         assert plan.arm(layout, caches, rope) is None
-    shared = {"m": SharedMaster.of(plans[0].uses[0].master, torch.float32, tiled=tiled)}
+    shared = {"m0": SharedMaster.of(plans[0].uses[0].master, torch.float32, tiled=tiled)}
     width = max(len(p.block_ids) for p in plans)
     table = torch.zeros(len(plans), width, dtype=torch.int64)
     for r, plan in enumerate(plans):
@@ -181,7 +210,7 @@ def test_a_request_keeps_its_slot_while_the_set_changes(tiled: bool) -> None:
     else:
         assert torch.equal(got[0][..., :columns], want[0])
         assert torch.equal(got[1][:, :columns], want[1])
-    assert torch.equal(now.first_free[:, 1], fresh.first_free[:, 0])
+    assert torch.equal(now.groups[0].first_free[:, 1], fresh.groups[0].first_free[:, 0])
     # not current: request 1 holds no generated row, it is asked for one (read from its blocks)
     compose(batch, [(1, plans[1])], [1], now, pool, src)
     assert not torch.equal(_rows(pool, kept)[1], marked[1])
