@@ -233,6 +233,10 @@ COUNTERS = (
     ("recomputed_tokens", "vllm:kmesh_recomputed_tokens_total", {}),
     ("storage_reads", "vllm:kmesh_storage_reads_total", {}),
     ("cascade_steps", "vllm:kmesh_cascade_steps_total", {}),
+    # the speed guard's start-up decision (gauges; 0 on engines without cascade decode)
+    ("cascade_guard_admits", "vllm:kmesh_cascade_guard_admits", {}),
+    ("cascade_guard_family_permille", "vllm:kmesh_cascade_guard_family_permille", {}),
+    ("cascade_guard_alone_permille", "vllm:kmesh_cascade_guard_alone_permille", {}),
     ("released_blocks", "vllm:kmesh_released_blocks_total", {}),
     ("kmesh_preemptions", "vllm:kmesh_preemptions_total", {}),
     ("preemptions", "vllm:num_preemptions_total", {}),

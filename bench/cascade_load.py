@@ -6,17 +6,19 @@ tokens; ``--quick``: 3 × 4, 300-500 tokens, 12), in its order, one new request 
 engine steps (4): steps mix chunked prefills with the decodes of several families, as a loaded
 server's do. The engine runs in this process with the server's defaults (2,048 batched tokens,
 128 sequences, prefix caching, vLLM's default KV budget or ``--kv-blocks``). Engines one after
-another, the same arrivals: ``kmesh`` (defaults) and ``kmesh_share`` (``cascade_decode`` +
-``share_kv_memory``).
+another, the same arrivals: ``kmesh`` (defaults), ``kmesh_share`` (``cascade_decode`` +
+``share_kv_memory``, the speed guard at its default) and ``kmesh_share_raw`` (the same with
+``speed_guard: off``: the raw path).
 
 Per step: its wall time (``LLMEngine.step``), its make-up from the scheduler's output (requests
 decoding one token, prompt tokens prefilled) and, on the cascade engine, the cascade path's parts
 (`kmesh_blend.vllm.cascade_clock`: planning and composition, the cascade kernel, vLLM's kernel
 on the step's other rows); the rest of a step is the model's GEMMs, norms, the blend and vLLM.
 
-value = Σ step time kmesh_share / Σ kmesh (the whole workload, same arrivals; goal ≤ 1.03).
+value = Σ step time kmesh_share / Σ kmesh (the whole workload, same arrivals; goal ≤ 1.03);
+config.raw_vs_kmesh the same for the raw path.
 config.table: per make-up (decode-only or with prefill, × requests decoding), steps and median
-step ms per engine, and the cascade engine's mean parts in ms. Results name the CPU and vLLM's
+step ms per engine, and the cascade engines' mean parts in ms. Results name the CPU and vLLM's
 attention kernel.
 
 Run: python bench/cascade_load.py [--quick] [--gap N] [--kv-blocks N]
@@ -44,6 +46,7 @@ GOAL = 1.03
 ENGINES = {
     "kmesh": {},
     "kmesh_share": {"cascade_decode": True, "share_kv_memory": True},
+    "kmesh_share_raw": {"cascade_decode": True, "share_kv_memory": True, "speed_guard": "off"},
 }
 BUCKETS = ((1, 4), (5, 8), (9, 16), (17, 1 << 30))
 
@@ -73,11 +76,12 @@ def main() -> None:
     runs = {name: run(model, settings, sep, work, args) for name, settings in ENGINES.items()}
     total = {name: sum(r["step_s"]) for name, r in runs.items()}
     value = total["kmesh_share"] / total["kmesh"]
+    raw = total["kmesh_share_raw"] / total["kmesh"]
     table = make_table(runs)
     for row in table:
         print(row, file=sys.stderr)
     print(f"sum of step times: {', '.join(f'{k} {v:.2f} s' for k, v in total.items())}; "
-          f"kmesh_share / kmesh = {value:.3f}")  # fmt: skip
+          f"kmesh_share / kmesh = {value:.3f}, raw (speed guard off) {raw:.3f}")  # fmt: skip
     emit({
         "name": "cascade_load",
         "metric": "engine time for the serving workload, cascade + shared memory / KMesh defaults",
@@ -93,7 +97,8 @@ def main() -> None:
             "attn_isa": attn_isa("bfloat16", BLOCK_SIZE), "allocator": allocator,
             "steps": {k: len(r["step_s"]) for k, r in runs.items()},
             "total_step_s": {k: round(v, 3) for k, v in total.items()},
-            "cascade_steps": runs["kmesh_share"]["cascade_steps"],
+            "raw_vs_kmesh": round(raw, 4),
+            "cascade_steps": {k: r["cascade_steps"] for k, r in runs.items()},
             "requests": {k: r["requests"] for k, r in runs.items()},
             "table": table,
         },
@@ -185,15 +190,12 @@ def make_table(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 row[f"{name}_steps"] = len(picked)
                 row[f"{name}_ms"] = (round(statistics.median(s[0] for s in picked) * 1e3, 1)
                                      if picked else None)  # fmt: skip
-                if name == "kmesh_share":
-                    parts = [s[3] for s in picked if s[3] is not None]
-                    row["cascade_share"] = len(parts)
+                parts = [s[3] for s in picked if s[3] is not None]
+                if parts:
+                    row[f"{name}_cascade_steps"] = len(parts)
                     for field in ("plan_s", "arm_s", "cascade_s", "others_s"):
-                        row[f"{field[:-2]}_ms"] = (
-                            round(statistics.mean(getattr(p, field) for p in parts) * 1e3, 2)
-                            if parts
-                            else None
-                        )
+                        mean = statistics.mean(getattr(p, field) for p in parts)
+                        row[f"{name}_{field[:-2]}_ms"] = round(mean * 1e3, 2)
             if row["kmesh_steps"] or row["kmesh_share_steps"]:
                 rows.append(row)
     return rows

@@ -1,9 +1,10 @@
 """Serving speed under load, measured with vLLM's own benchmark client against real OpenAI servers.
 
-Three engines, each its own ``python -m vllm.entrypoints.openai.api_server`` process on
+Four engines, each its own ``python -m vllm.entrypoints.openai.api_server`` process on
 SmolLM2-135M-Instruct (bf16, prefix caching on, the same arguments): ``stock`` vLLM; ``kmesh`` at
 its defaults in separator mode; ``kmesh_share`` with ``kmesh.cascade_decode`` and
-``kmesh.share_kv_memory`` on. For every request rate a fresh server of each engine (nothing
+``kmesh.share_kv_memory`` on (the speed guard at its default, ``auto``); ``kmesh_share_raw``, the
+same with ``kmesh.speed_guard: off`` (the raw path beside it). For every request rate a fresh server of each engine (nothing
 stored from an earlier rate) is warmed with one unrelated request, then driven by
 `vllm.benchmarks.serve` — the client ``vllm bench serve`` runs — with Poisson arrivals at that
 rate, over the same JSONL (the agent families of `_serving.py`, in file order), the same output
@@ -68,6 +69,8 @@ ENGINES: dict[str, dict[str, Any] | None] = {
     "stock": None,
     "kmesh": {},
     "kmesh_share": {"cascade_decode": True, "share_kv_memory": True},
+    # the raw path, beside the guarded one: what the speed guard decides from
+    "kmesh_share_raw": {"cascade_decode": True, "share_kv_memory": True, "speed_guard": "off"},
 }
 SLO = {"ttft": 3000.0, "tpot": 250.0}  # ms, the client's --goodput
 TTFT_SWEEP_S = (3.0, 5.0, 10.0)  # other TTFT bounds (TPOT as SLO), from per-request figures

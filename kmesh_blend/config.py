@@ -32,6 +32,7 @@ Selection = Literal["per_request", "collective"]
 Schedule = Literal["layer_sync", "sequential"]
 Deviation = Literal["k", "v", "kv"]
 Drift = Literal["off", "auto"]  # = rules.DRIFTS
+Guard = Literal["auto", "off"]
 
 PREFIX = "kmesh."
 
@@ -139,6 +140,14 @@ class KMeshConfig:
     """With ``share_kv_memory``: host RAM (bytes) the released readers' mirrors may hold next to
     vLLM's KV budget (≥ 0); a reader whose mirror would pass it keeps its blocks (its report
     says so). The masters cascade decode reads are not counted here (one per document)."""
+    speed_guard: Guard = "auto"
+    """With ``cascade_decode``: ``auto`` times the cascade path against vLLM's own attention
+    kernel at engine start, on this engine's shapes (a family reading one master, and one reader
+    alone); where the family is slower there, new readers decode on vLLM's kernel and
+    ``share_kv_memory`` gives no block back; where a reader alone is slower, a master only one
+    request of a step reads is read on vLLM's kernel (`kmesh_blend/vllm/speed_guard.py`; the
+    decision, with its figures, in one log line, the reports and ``/metrics``). ``off`` trusts
+    the settings (tests and benchmarks of the raw path)."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -225,6 +234,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "schedule": get_args(Schedule),
     "deviation": get_args(Deviation),
     "drift_correction": get_args(Drift),
+    "speed_guard": get_args(Guard),
 }
 _INT_MINIMA = {
     "round_lifetime": 1,

@@ -164,7 +164,7 @@ def test_quick_run_through_real_servers_and_vllms_client() -> None:
     assert config["client"] == "vllm.benchmarks.serve" and config["cpu"]["model"]
     assert config["attn_isa"] in {"amx", "vec", "vec16"} and config["kv_blocks"] is None
     engines = config["engines"]
-    assert set(engines) == {"stock", "kmesh", "kmesh_share"}
+    assert set(engines) == {"stock", "kmesh", "kmesh_share", "kmesh_share_raw"}
     n = config["requests"]
     for engine, rows in engines.items():
         assert set(rows) == {"0.3", "1"}, engine
@@ -189,7 +189,13 @@ def test_quick_run_through_real_servers_and_vllms_client() -> None:
             assert server["requests_reused"] >= follow_ups, where
             assert server["requests_fallback"] == 0 and server["fallbacks_by_reason"] == {}, where
             assert server["reused_tokens"] > 0 and server["recomputed_tokens"] > 0, where
-            if engine == "kmesh_share":
+            # the guarded engine shares where its start-up timing found cascade decode faster
+            # than vLLM's kernel (a measured decision: either way, its gauges say which)
+            guarded = engine == "kmesh_share" and not server["cascade_guard_admits"]
+            if guarded:
+                assert server["cascade_guard_family_permille"] > 1000, where
+                assert server["cascade_steps"] == 0 and server["released_blocks"] == 0, where
+            elif engine.startswith("kmesh_share"):
                 assert server["cascade_steps"] > 0 and server["released_blocks"] > 0, where
             else:
                 assert server["cascade_steps"] == 0, where

@@ -63,6 +63,7 @@ def test_round_trip() -> None:
         "kmesh.cascade_decode": False,
         "kmesh.share_kv_memory": False,
         "kmesh.share_kv_host_bytes": 1 << 30,
+        "kmesh.speed_guard": "auto",
     }
     back = KMeshConfig.from_extra_config(extra)
     assert back == cfg
@@ -135,6 +136,7 @@ VALID = {
     "kmesh.cascade_decode": "true or false",
     "kmesh.share_kv_memory": "true or false",
     "kmesh.share_kv_host_bytes": "an int ≥ 0",
+    "kmesh.speed_guard": "'auto', 'off'",
 }
 R, L, SEL, SCH, ST = (
     "kmesh.recompute_ratio",
@@ -198,6 +200,8 @@ R, L, SEL, SCH, ST = (
         ("kmesh.share_kv_memory", "yes"),
         ("kmesh.share_kv_memory", 1),
         ("kmesh.share_kv_host_bytes", -1),
+        ("kmesh.speed_guard", "on"),
+        ("kmesh.speed_guard", False),
         ("kmesh.share_kv_host_bytes", "1G"),
     ],
     ids=repr,

@@ -36,11 +36,12 @@ from kmesh_blend.vllm.cascade_attend import (
     attend_kernel,
     attend_torch,
 )
-from kmesh_blend.vllm.cascade_buffers import Composition, OwnPool, Sources, compose
+from kmesh_blend.vllm.cascade_buffers import Composition, OwnPool, Sources, compose, partition
 from kmesh_blend.vllm.cascade_clock import StepClock, StepParts
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.kv_release import Sharing
 from kmesh_blend.vllm.seam.cpu_attention import attn_scale, run_kernel, sub_batch
+from kmesh_blend.vllm.speed_guard import SpeedGuard
 
 if TYPE_CHECKING:
     from kmesh_blend.vllm.seam.cpu_attention import AttnLayer, StepBatch, Stock
@@ -85,6 +86,7 @@ class CascadeDecode:
                             self.caches[0].dtype, tiled=kernel is not None)  # fmt: skip
         self.broken: str | None = None  # set by an error inside the path: vLLM's forward only
         self.sharing: Sharing | None = None  # with kmesh.share_kv_memory (`share`)
+        self.guard = SpeedGuard("off")  # set by `cascade_install.install` (kmesh.speed_guard)
         self.clock = StepClock()  # the parts of recent cascade steps
         self._parts: StepParts | None = None
         self._arm_s = 0.0  # of this step's plan: arming new readers (once per request)
@@ -93,7 +95,9 @@ class CascadeDecode:
         """Give back readers' segment blocks from now on (``kmesh.share_kv_memory``), their
         mirrors within ``cap`` bytes."""
         off = None
-        if self.kernel is None:
+        if not self.guard.admits:
+            off = self.guard.reason
+        elif self.kernel is None:
             off = "cascade decode runs on its plain-torch fallback, not the CPU kernel"
         elif world_size > 1:
             off = f"tensor parallelism ({world_size} ranks would each have to agree)"
@@ -108,6 +112,8 @@ class CascadeDecode:
         self.drop(req_id)
         if self.broken is not None:
             self.reports[req_id] = {"cascade_off": f"cascade decode failed: {self.broken}"}
+        elif uses and not self.guard.admits:
+            self.reports[req_id] = {"cascade_off": self.guard.reason}
         elif uses:
             self.plans[req_id] = DecodePlan(req_id, list(block_ids), slots, uses, first)
             self.reports[req_id] = {"cascade_steps": 0}
@@ -198,10 +204,12 @@ class CascadeDecode:
         """Bytes of the masters held for live readers (next to vLLM's KV budget)."""
         return sum(m.k_t.nbytes + m.v.nbytes for m in self.masters.values())
 
-    def held_bytes(self) -> dict[str, int]:
-        """KV held next to vLLM's budget (gauges, bytes): masters, and mirrors with sharing."""
+    def gauges(self) -> dict[str, int]:
+        """``/metrics`` gauges: KV held next to vLLM's budget (bytes: masters, and mirrors with
+        sharing) and the speed guard's decision (`SpeedGuard.gauges`)."""
         mirrors = self.sharing.mirror_bytes if self.sharing is not None else 0
-        return {"shared_master_bytes": self.master_bytes, "mirror_bytes": mirrors}
+        return {"shared_master_bytes": self.master_bytes, "mirror_bytes": mirrors,
+                **self.guard.gauges()}  # fmt: skip
 
     @property
     def num_pinned(self) -> int:
@@ -281,6 +289,8 @@ class CascadeDecode:
                     self.reports.setdefault(req_id, {})[field] = value
                 self._arm_s += self.clock.now() - start
             chosen.append((i, plan))
+        if self.guard.alone_on_stock and chosen:
+            chosen = self._without_lone_readers(chosen)
         if not chosen:
             return None
         for _, plan in chosen:
@@ -305,3 +315,13 @@ class CascadeDecode:
             [(group, tokens[group.rows], done[group.rows]) for group in composition.groups],
             sub_batch(batch, layer, dtype, others, starts) if others else None,
         )
+
+    @staticmethod
+    def _without_lone_readers(
+        chosen: list[tuple[int, DecodePlan]],
+    ) -> list[tuple[int, DecodePlan]]:
+        """``chosen`` less each request that is a master's only reader in the step and still
+        holds its blocks: vLLM's kernel serves it faster here (`SpeedGuard.alone_on_stock`)."""
+        plans = [plan for _, plan in chosen]
+        lone = {g[0] for g in partition(plans) if len(g) == 1 and not plans[g[0]].pinned}
+        return [pair for r, pair in enumerate(chosen) if r not in lone]

@@ -6,6 +6,7 @@ and, if they agree, routes each attention layer's forward through the cascade pa
 (`seam.cpu_attention.route`: only this engine's layers change; vLLM's backend registry and files
 are untouched). Anything unsupported (not vLLM's CPU backend, sliding window,
 ALiBi, soft-capping, attention sinks, quantized KV) leaves the stock forward in place and says why.
+The speed guard (``kmesh.speed_guard``, `kmesh_blend.vllm.speed_guard`) is decided here too.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import torch
 from kmesh_blend.segments.master import Master
 from kmesh_blend.vllm.cascade_attend import EngineKV, Heads, Kernel
 from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse, ReqIds
+from kmesh_blend.vllm.cascade_probe import probe
 from kmesh_blend.vllm.paged import CPU_LAYOUTS, PagedLayout, slot_mapping
 from kmesh_blend.vllm.seam import cpu_attention as vllm_attn
+from kmesh_blend.vllm.speed_guard import SpeedGuard
 
 if TYPE_CHECKING:
     from kmesh_blend.vllm.seam.cpu_attention import AttnLayer
@@ -29,11 +32,14 @@ __all__ = ["install"]
 log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 
-def install(kv: EngineKV, req_ids: ReqIds) -> tuple[CascadeDecode | None, str | None]:
+def install(kv: EngineKV, req_ids: ReqIds,
+            speed_guard: str = "auto") -> tuple[CascadeDecode | None, str | None]:  # fmt: skip
     """(the installed path, None), or (None, why it stays off).
 
     The CPU kernel (`kmesh_blend.cpu`) serves when it is built, fits the dtype and head size,
-    and passes the self-check; else the plain-torch path, after its own self-check."""
+    and passes the self-check; else the plain-torch path, after its own self-check. Then, with
+    ``speed_guard`` ``auto``, the path is timed against vLLM's kernel (`cascade_probe`) and its
+    `SpeedGuard` decides where it serves."""
     problem = _unsupported(kv.layers[0], kv.layout)
     kernel = None
     if problem is None:
@@ -49,13 +55,24 @@ def install(kv: EngineKV, req_ids: ReqIds) -> tuple[CascadeDecode | None, str | 
         log.warning("kmesh: cascade decode stays off: %s", problem)
         return None, problem
     decode = CascadeDecode(kv, req_ids, kernel)
+    decode.guard = _guard(kv, kernel, speed_guard)
     vllm_attn.route(kv.layers, decode)
     log.info(
         "kmesh: cascade decode on for %d attention layers (%s, self-check passed)",
         len(kv.layers),
         "CPU kernel" if kernel is not None else "plain torch",
     )
+    log.info("%s", decode.guard.line())
     return decode, None
+
+
+def _guard(kv: EngineKV, kernel: Kernel | None, mode: str) -> SpeedGuard:
+    if mode == "off":
+        return SpeedGuard.decide(mode, None)
+    try:
+        return SpeedGuard.decide(mode, probe(kv, kernel))
+    except Exception as exc:  # the path passed its self-check: trust the settings, say why
+        return SpeedGuard.decide(mode, None, f"{type(exc).__name__}: {exc}")
 
 
 def _kernel_for(dtype: torch.dtype, heads: Heads) -> tuple[Kernel | None, str | None]:

@@ -60,6 +60,12 @@ GAUGES: dict[str, str] = {
     "vLLM's KV budget (host RAM)",
     "mirror_bytes": "Bytes of released readers' own rows (mirrors) held beside the masters",
     "released_blocks_live": "KV blocks live readers have given back to vLLM's pool",
+    "cascade_guard_admits": "1 while new readers decode in cascade, 0 where the speed guard "
+    "found the cascade path slower than vLLM's kernel (kmesh.speed_guard)",
+    "cascade_guard_family_permille": "Start-up timing of a family of readers, cascade path / "
+    "vLLM's kernel, x1000 (0: not timed)",
+    "cascade_guard_alone_permille": "Start-up timing of one reader alone, cascade path / vLLM's "
+    "kernel, x1000 (0: not timed)",
 }
 
 # name → (help text, label names)

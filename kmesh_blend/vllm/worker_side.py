@@ -132,8 +132,9 @@ class WorkerSide:
         else:
             heads = Heads(shape.num_heads, shape.num_kv_heads, shape.head_dim)
             kv = EngineKV(layers, self.kv_caches, self.paged, self.rope, heads)
-            self.cascade, self.cascade_off = install_cascade(kv, self.batch_ids)
-            self.stats.held = self.cascade.held_bytes if self.cascade is not None else None
+            self.cascade, self.cascade_off = install_cascade(kv, self.batch_ids,
+                                                             self.config.speed_guard)  # fmt: skip
+            self.stats.held = self.cascade.gauges if self.cascade is not None else None
             if self.cascade is not None and self.config.share_kv_memory:
                 self.cascade.share(self.world_size, self.config.share_kv_host_bytes)
 

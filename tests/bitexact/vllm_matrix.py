@@ -107,7 +107,8 @@ def run_engine(
 
     checkpoint, vocab = MODELS[model]
     extra = {"kmesh.store": store, "kmesh.schedule": schedule, "kmesh.recompute_ratio": 0.15,
-             "kmesh.cascade_decode": cascade, "kmesh.drift_correction": drift}  # fmt: skip
+             "kmesh.cascade_decode": cascade, "kmesh.drift_correction": drift,
+             "kmesh.speed_guard": "off"}  # fmt: skip
     llm = make_llm(
         checkpoint(),
         dtype=DTYPES[dtype],

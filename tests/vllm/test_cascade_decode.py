@@ -80,6 +80,7 @@ def _serve(path: Path, dtype: str, model: str, doc_len: int, **kmesh: Any) -> li
     Drift correction is off in every run: with cascade decode on, the engine turns it off
     (`BlendOptions.from_config`), so both sides of a comparison decode the same prompt KV."""
     kmesh.setdefault("drift_correction", "off")
+    kmesh.setdefault("speed_guard", "off")  # the raw path (the guard's own tests below)
     family = _prompts(model, doc_len)
     tokens = MAX_TOKENS[model]
     plain = family[2][0][:-3]  # a prompt no annotation covers
@@ -119,8 +120,8 @@ def _check_clock(tokens: int) -> None:
     after its first token, each with its requests counted; the family of 4 decoded beside the
     unannotated prompt on vLLM's kernel."""
     cascade = live_worker().cascade
-    if cascade is None or cascade.broken is not None:
-        return  # (tests of a failed self-check, of an error inside the path)
+    if cascade is None or cascade.broken is not None or not cascade.guard.admits:
+        return  # (tests of a failed self-check, of an error inside the path, of the guard)
     steps = list(cascade.clock.steps)
     assert sum(s.cascade for s in steps) == sum(FAMILIES) * (tokens - 1), steps
     assert all(s.plan_s > 0 and s.cascade_s > 0 for s in steps)
@@ -266,7 +267,10 @@ def test_through_the_openai_server(tmp_path: Path) -> None:
     model, port = str(build_checkpoint(TINY_LLAMA)), _free_port()
     family = _prompts("tiny", 300)[:5]
     server = start_openai_server(
-        model, port, kv_transfer_config(cascade_decode=True), tmp_path / "server.log"
+        model,
+        port,
+        kv_transfer_config(cascade_decode=True, speed_guard="off"),
+        tmp_path / "server.log",
     )
     try:
         _wait_healthy(port, server)

@@ -34,7 +34,8 @@ def _serve(follow_ups: list[tuple[list[int], list[list[int]]]], reader: Any, max
             temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0, extra_args=extra
         )
 
-    config = kv_transfer_config(cascade_decode=cascade, drift_correction="off")
+    config = kv_transfer_config(cascade_decode=cascade, drift_correction="off",
+                                speed_guard="off")  # the raw path  # fmt: skip
     llm = make_llm(build_checkpoint(TINY_LLAMA), enable_prefix_caching=prefix_caching,
                    block_size=32, max_model_len=1024, kv_transfer_config=config,
                    **engine)  # fmt: skip

@@ -64,6 +64,7 @@ def _engine(work: Callable[[Any], T], model: str, share: bool, blocks: int | Non
             prefix_caching: bool = False, dtype: str = "float32", **kmesh: Any) -> T:  # fmt: skip
     """``work(llm)`` on a fresh engine, which is gone (its connector with it) on return."""
     # drift correction off on both sides: cascade decode turns it off (see the contract)
+    kmesh.setdefault("speed_guard", "off")  # the raw path
     config = kv_transfer_config(cascade_decode=True, share_kv_memory=share,
                                 drift_correction="off", **kmesh)  # fmt: skip
     extra = {"num_gpu_blocks_override": blocks} if blocks else {}
