@@ -31,6 +31,7 @@ class StepParts:
     others: int
     plan_s: float = 0.0
     arm_s: float = 0.0
+    context_rows: int = 0  # the cascade requests' context rows, summed (what vLLM would read)
     cascade_s: float = 0.0
     others_s: float = 0.0
 
@@ -44,9 +45,10 @@ class StepClock:
 
     now = staticmethod(time.perf_counter)
 
-    def open(self, cascade: int, others: int, plan_s: float, arm_s: float = 0.0) -> StepParts:
+    def open(self, cascade: int, others: int, plan_s: float, arm_s: float = 0.0,
+             context_rows: int = 0) -> StepParts:  # fmt: skip
         self.serial += 1
-        parts = StepParts(self.serial, cascade, others, plan_s, arm_s)
+        parts = StepParts(self.serial, cascade, others, plan_s, arm_s, context_rows)
         self.steps.append(parts)
         return parts
 

@@ -90,6 +90,7 @@ class CascadeDecode:
         self.clock = StepClock()  # the parts of recent cascade steps
         self._parts: StepParts | None = None
         self._arm_s = 0.0  # of this step's plan: arming new readers (once per request)
+        self._context_rows = 0  # of this step's cascade requests
 
     def share(self, world_size: int, cap: int) -> None:
         """Give back readers' segment blocks from now on (``kmesh.share_kv_memory``), their
@@ -137,6 +138,14 @@ class CascadeDecode:
                         del self.masters[use.key]
         self._composition = None
 
+    def note_memory(self, short: bool) -> None:
+        """This step's scheduler signal: a request waited for KV blocks (the speed guard)."""
+        self._note(self.guard.note_memory(short))
+
+    def _note(self, line: str | None) -> None:
+        if line is not None:
+            log.info("%s", line)
+
     def take_reports(self) -> dict[str, Fields]:
         out, self.reports = self.reports, {}
         return out
@@ -160,6 +169,8 @@ class CascadeDecode:
         # step, so a backend that reused the object would still be noticed.
         stamp = (batch.key, int(batch.seq_lens.sum()))
         if self._meta is None or stamp[0] is not self._meta[0] or stamp[1] != self._meta[1]:
+            if self._parts is not None:  # the last cascade step, finished: weighed
+                self._note(self.guard.observe(self._parts, len(self.layers)))
             self._meta, self._step, self._parts = stamp, None, None
             # paused: only readers whose blocks went back still need the path
             if self.plans and self.broken is None and (not self.paused or self.num_pinned):
@@ -175,6 +186,7 @@ class CascadeDecode:
                         0 if others is None else int(others[0].numel()),
                         self.clock.now() - start,
                         self._arm_s,
+                        self._context_rows,
                     )
         step, parts = self._step, self._parts
         if step is None or parts is None:
@@ -283,7 +295,9 @@ class CascadeDecode:
                             use.master, self.caches[0].dtype, tiled=self.kernel is not None
                         )
                     self.masters[use.key].users += 1
-                if self.sharing is not None:
+                if self.sharing is not None and self.guard.reason is not None:
+                    self.reports.setdefault(req_id, {})["kv_share_off"] = self.guard.reason
+                elif self.sharing is not None:
                     field, value = self.sharing.consider(plan, self.layout.block_size,
                                                          self.layout, self.caches)  # fmt: skip
                     self.reports.setdefault(req_id, {})[field] = value
@@ -301,6 +315,7 @@ class CascadeDecode:
                 cascade_kernel="cpu" if self.kernel is not None else "torch",
             )
         rows = [i for i, _ in chosen]
+        self._context_rows = sum(seq_lens[i] for i in rows)
         generated = [seq_lens[i] - 1 - plan.num_tokens for i, plan in chosen]
         sources = Sources(self.masters, self.caches, self.layout, self.rope)
         composition = compose(batch, chosen, generated, self._composition, self.pool, sources)

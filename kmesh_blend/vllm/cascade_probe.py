@@ -88,7 +88,7 @@ def probe(kv: EngineKV, kernel: Kernel | None, family: int = 8, rows: int = 1024
 
     family_s, family_stock_s = pair(family)
     alone_s, alone_stock_s = pair(1)
-    return Timing(family, rows, family_s, family_stock_s, alone_s, alone_stock_s)
+    return Timing(family, rows, prompt + 1, family_s, family_stock_s, alone_s, alone_stock_s)
 
 
 def _median(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:

@@ -45,12 +45,14 @@ from kmesh_blend.vllm.scheduler_side import SchedulerSide
 from kmesh_blend.vllm.seam import log_report
 from kmesh_blend.vllm.seam.blocks import (
     block_bytes,
+    free_blocks,
     held_blocks,
     release_blocks,
     step_requests,
 )
 from kmesh_blend.vllm.seam.engine import attention_layers, recompute_failed_loads, tp_shard
 from kmesh_blend.vllm.seam.runners import batch_order, loaded_model
+from kmesh_blend.vllm.speed_guard import waits_for_blocks
 from kmesh_blend.vllm.startup import engine_namespace, prefix_privatizer, shared_store_lookup
 from kmesh_blend.vllm.stats import Payload
 from kmesh_blend.vllm.worker_side import WorkerSide
@@ -85,6 +87,10 @@ class KMeshConnector(KVConnectorBase_V1):
         self.kv_manager: KVCacheManager | None = None
         self.block_bytes = block_bytes(kv_cache_config)
         self.worker: WorkerSide | None = None
+        # requests asked about this step and not (yet) admitted → tokens they still need
+        self._asked: dict[str, int] = {}
+        self._block_size = vllm_config.cache_config.block_size
+        self._budget = vllm_config.scheduler_config.max_num_batched_tokens
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(
                 self.config,
@@ -119,16 +125,27 @@ class KMeshConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         assert self.scheduler is not None
+        if self.config.cascade_decode:  # not admitted by the meta: it waits (the speed guard)
+            self._asked[request.request_id] = request.num_tokens - num_computed_tokens
         return self.scheduler.num_matched(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:  # fmt: skip
         assert self.scheduler is not None
+        self._asked.pop(request.request_id, None)
         self.scheduler.after_alloc(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_meta(step_requests(scheduler_output))
+        meta = self.scheduler.build_meta(step_requests(scheduler_output))
+        if self._asked and self.kv_manager is not None:
+            needs = [
+                n for r, n in self._asked.items() if r not in scheduler_output.num_scheduled_tokens
+            ]
+            meta.memory_short = waits_for_blocks(needs, self._block_size, self._budget,
+                                                 free_blocks(self.kv_manager))  # fmt: skip
+        self._asked.clear()
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
@@ -161,6 +178,8 @@ class KMeshConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if self.worker is None or not isinstance(meta, KMeshMetadata):
             return
+        if self.worker.cascade is not None:
+            self.worker.cascade.note_memory(meta.memory_short)
         if meta.loads or meta.rounds or meta.closes:
             self.worker.load(meta)
 

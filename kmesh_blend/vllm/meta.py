@@ -147,6 +147,8 @@ class KMeshMetadata(KVConnectorMetadata):
     # Families closed by finished requests, numbered: sent every step until the worker says it
     # applied them (a step without a forward may never reach the worker).
     closes: list[tuple[int, str]] = field(default_factory=list)
+    # A request waited for KV blocks this step (cascade decode's speed guard: memory is short).
+    memory_short: bool = False
 
 
 @dataclass

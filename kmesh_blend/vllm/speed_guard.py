@@ -1,4 +1,4 @@
-"""Whether cascade decode pays on this engine: decided from its own timings, not from constants.
+"""Whether cascade decode pays on this engine and under its load: decided from its own timings.
 
 ``kmesh.speed_guard: auto`` (the default). At engine start, after the cascade path passed its
 self-check, `kmesh_blend.vllm.cascade_probe` times one attention layer on scratch blocks with the
@@ -12,27 +12,54 @@ each on the cascade path and on vLLM's own kernel over the same requests' whole 
 - a reader alone slower: in a step where a master has one reader, that reader is served by
   vLLM's kernel (unless its blocks went back to vLLM's pool: only the cascade path can read it).
 
-The decision and its figures go to one log line, the ``/metrics`` gauges
-(``cascade_guard_admits``, ``cascade_guard_family_permille``, ``cascade_guard_alone_permille``:
-cascade / vLLM time × 1000) and, for a reader it keeps out, its report. ``off`` trusts the
-settings. Plain Python: no vLLM import.
+While serving, `SpeedGuard.observe` weighs each cascade step — what the path cost (planning,
+arming new readers, the kernel: `cascade_clock.StepParts`) against what vLLM's kernel would have
+cost for the same requests (the start-up timing per context row, times their context rows and
+layers) — over the last `WINDOW` cascade steps, from `EVIDENCE` on. Where the path costs more,
+it is not used for new readers and sharing gives no more blocks back; but where requests wait
+for KV blocks (`note_memory`: the scheduler saw a request whose blocks the pool could not hold,
+within the window), memory is the bottleneck and both stay: the blocks sharing gives back admit
+them. The decision and its figures go to one log line each time it changes, the ``/metrics``
+gauges (`gauges`) and, for a reader it keeps out, its report. ``off`` trusts the settings.
+Plain Python: no vLLM import.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
 
-__all__ = ["SpeedGuard", "Timing"]
+__all__ = ["EVIDENCE", "WINDOW", "SpeedGuard", "Timing", "waits_for_blocks"]
+
+WINDOW = 64  # cascade steps weighed together
+EVIDENCE = 16  # cascade steps before the first weighing
+
+
+def waits_for_blocks(needs: list[int], block_size: int, budget: int, free: int) -> bool:
+    """Whether a request the scheduler asked about and then did not admit waits for KV blocks:
+    ``needs`` its tokens not yet computed, its next chunk at most ``budget`` tokens (vLLM's
+    batched-token budget), ``free`` the blocks vLLM's pool can hand out."""
+    return any(-(-min(n, budget) // block_size) > free for n in needs if n > 0)
+
+
+class Parts(Protocol):
+    """What `observe` reads of a step (`kmesh_blend.vllm.cascade_clock.StepParts`)."""
+
+    plan_s: float
+    cascade_s: float
+    context_rows: int
 
 
 @dataclass(frozen=True)
 class Timing:
-    """One attention layer, median seconds: ``family`` readers of a master of ``rows`` rows on
-    the cascade path (``family_s``) and on vLLM's kernel (``family_stock_s``); one of them alone
-    likewise (``alone_s``, ``alone_stock_s``)."""
+    """One attention layer, median seconds: ``family`` readers, each with ``context`` rows of
+    which ``rows`` from one master, on the cascade path (``family_s``) and on vLLM's kernel
+    (``family_stock_s``); one of them alone likewise (``alone_s``, ``alone_stock_s``)."""
 
     family: int
     rows: int
+    context: int
     family_s: float
     family_stock_s: float
     alone_s: float
@@ -46,6 +73,11 @@ class Timing:
     def alone_ratio(self) -> float:
         return self.alone_s / self.alone_stock_s
 
+    @property
+    def stock_row_s(self) -> float:
+        """vLLM's kernel, seconds per context row of a decoding request, per layer."""
+        return self.family_stock_s / (self.family * self.context)
+
     def describe(self) -> str:
         return (
             f"{self.family} readers of a {self.rows}-row master: {self.family_s * 1e3:.3f} ms "
@@ -55,18 +87,20 @@ class Timing:
         )
 
 
-@dataclass(frozen=True)
+@dataclass
 class SpeedGuard:
-    """``admits``: new readers decode in cascade; ``alone_on_stock``: a master one request of a
-    step reads is read on vLLM's kernel; ``reason``: why readers are kept out (None when they
-    are not); ``timing``: what it was decided on (None with ``off``, or when the probe failed)."""
+    """``admits``: new readers decode in cascade (and sharing gives blocks back);
+    ``alone_on_stock``: a master one request of a step reads is read on vLLM's kernel;
+    ``reason``: why readers are kept out (None when they are not); ``timing``: the start-up
+    figures (None with ``off``, or when the probe failed: ``problem`` says why)."""
 
     mode: str
-    admits: bool = True
-    alone_on_stock: bool = False
-    reason: str | None = None
     timing: Timing | None = None
-    problem: str | None = None  # why the probe could not time the path (settings trusted)
+    problem: str | None = None
+    alone_on_stock: bool = False
+    load_ratio: float | None = None  # cascade cost / vLLM's estimate over the window
+    _window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    _short: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     @classmethod
     def decide(cls, mode: str, timing: Timing | None, problem: str | None = None) -> SpeedGuard:
@@ -74,11 +108,80 @@ class SpeedGuard:
         why the probe could not time it (then the settings are trusted, and the log says so)."""
         if mode == "off" or timing is None:
             return cls(mode, problem=problem)
-        if timing.family_ratio > 1.0:
-            reason = (f"speed guard: cascade decode is slower than vLLM's kernel here "
-                      f"({timing.describe()})")  # fmt: skip
-            return cls(mode, False, True, reason, timing)
-        return cls(mode, True, timing.alone_ratio > 1.0, None, timing)
+        return cls(mode, timing, alone_on_stock=timing.alone_ratio > 1.0)
+
+    # --- the decision ---------------------------------------------------------------------------
+
+    @property
+    def memory_short(self) -> bool:
+        """A request waited for KV blocks within the window."""
+        return any(self._short)
+
+    @property
+    def admits(self) -> bool:
+        return self.state not in ("slower", "load")
+
+    @property
+    def state(self) -> str:
+        """Which rule decides now: ``untimed``, ``memory`` (requests wait for blocks), ``slower``
+        (the start-up timing), ``load`` (the weighed steps) or ``pays``."""
+        if self.timing is None:
+            return "untimed"
+        if self.memory_short:
+            return "memory"
+        if self.timing.family_ratio > 1.0:
+            return "slower"
+        if self.load_ratio is not None and self.load_ratio > 1.0:
+            return "load"
+        return "pays"
+
+    @property
+    def reason(self) -> str | None:
+        state = self.state
+        if state not in ("slower", "load"):
+            return None
+        assert self.timing is not None
+        if state == "slower":
+            return (f"speed guard: cascade decode is slower than vLLM's kernel here "
+                    f"({self.timing.describe()})")  # fmt: skip
+        if self.load_ratio is not None:
+            measured, estimated = (t * 1e3 / len(self._window) for t in self._sums())
+            return (
+                f"speed guard: under this load a cascade step costs {self.load_ratio:.2f}x what "
+                f"vLLM's kernel would for the same requests (mean of the last {len(self._window)} "
+                f"steps: {measured:.2f} ms vs {estimated:.2f} ms) and no request waits for KV "
+                "blocks"
+            )
+        return None
+
+    def observe(self, parts: Parts, layers: int) -> str | None:
+        """Weigh one finished cascade step of ``layers`` layers; the new log line when the
+        decision changed."""
+        if self.timing is None:
+            return None
+        before = self.state
+        estimate = self.timing.stock_row_s * parts.context_rows * layers
+        self._window.append((parts.plan_s + parts.cascade_s, estimate))
+        if len(self._window) >= EVIDENCE:
+            measured, estimated = self._sums()
+            self.load_ratio = measured / estimated if estimated > 0 else None
+        return self._changed(before)
+
+    def note_memory(self, short: bool) -> str | None:
+        """This step's scheduler signal (a request waited for blocks); the new log line when the
+        decision changed."""
+        if self.timing is None:
+            return None
+        before = self.state
+        self._short.append(short)
+        return self._changed(before)
+
+    def _sums(self) -> tuple[float, float]:
+        """(cascade seconds, vLLM's estimated seconds) over the window."""
+        return sum(m for m, _ in self._window), sum(e for _, e in self._window)
+
+    def _changed(self, before: str) -> str | None:
+        return None if self.state == before else self.line()
 
     def line(self) -> str:
         """The decision in one log line."""
@@ -87,21 +190,23 @@ class SpeedGuard:
         if self.timing is None:
             return (f"kmesh: speed guard could not time the cascade path ({self.problem}); "
                     "trusting the settings")  # fmt: skip
-        if not self.admits:
-            return (
-                f"kmesh: {self.reason}; new readers decode on vLLM's kernel, keeping their blocks"
-            )
+        if self.reason is not None:
+            return f"kmesh: {self.reason}; new readers decode on vLLM's kernel with their blocks"
         alone = "on vLLM's kernel" if self.alone_on_stock else "in cascade"
+        why = "requests wait for KV blocks: sharing stays" if self.memory_short else "it pays here"
+        load = f"; under load {self.load_ratio:.2f}x" if self.load_ratio is not None else ""
         return (
-            f"kmesh: speed guard: cascade decode pays here ({self.timing.describe()}); "
+            f"kmesh: speed guard: cascade decode on, {why} ({self.timing.describe()}{load}); "
             f"a master with one reader in a step is read {alone}"
         )
 
     def gauges(self) -> dict[str, int]:
         """``/metrics`` gauges (see the module docstring); the ratios are 0 when not timed."""
-        timing = self.timing
+        timing, load = self.timing, self.load_ratio
         return {
             "cascade_guard_admits": int(self.admits),
             "cascade_guard_family_permille": round(timing.family_ratio * 1000) if timing else 0,
             "cascade_guard_alone_permille": round(timing.alone_ratio * 1000) if timing else 0,
+            "cascade_guard_load_permille": round(load * 1000) if load is not None else 0,
+            "cascade_guard_memory_short": int(self.memory_short),
         }

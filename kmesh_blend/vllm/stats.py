@@ -66,6 +66,10 @@ GAUGES: dict[str, str] = {
     "vLLM's kernel, x1000 (0: not timed)",
     "cascade_guard_alone_permille": "Start-up timing of one reader alone, cascade path / vLLM's "
     "kernel, x1000 (0: not timed)",
+    "cascade_guard_load_permille": "Cascade steps under the current load, their cost / what "
+    "vLLM's kernel would cost for the same requests, x1000 (0: not weighed yet)",
+    "cascade_guard_memory_short": "1 while requests recently waited for KV blocks (sharing then "
+    "stays whatever cascade costs)",
 }
 
 # name → (help text, label names)

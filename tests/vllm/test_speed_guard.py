@@ -1,10 +1,12 @@
-"""The speed guard (``kmesh.speed_guard``): decided from the engine's own start-up timing.
+"""The speed guard (``kmesh.speed_guard``): decided from the engine's own timings.
 
 Unit tests of the decision (plain Python), then real vLLM (tiny Llama, fp32): a cascade path made
 slower than vLLM's kernel (a sleep injected into it) is kept out — every reader decodes on vLLM's
 kernel and says why, the log line and the ``/metrics`` gauges say so, greedy tokens equal an
-engine without cascade — and a cascade path that wins (vLLM's kernel slowed in the probe) is
-kept: every follow-up decodes in cascade, to the same tokens.
+engine without cascade; a cascade path that wins (vLLM's kernel slowed in the probe) is kept:
+every follow-up decodes in cascade, to the same tokens; and one that loses only under load (the
+start-up figures say vLLM's kernel costs almost nothing per row) is switched off after its first
+weighed steps: later readers decode on vLLM's kernel, saying why.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ from typing import Any
 import pytest
 
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
-from kmesh_blend.vllm.speed_guard import SpeedGuard, Timing
+from kmesh_blend.vllm.speed_guard import EVIDENCE, SpeedGuard, Timing, waits_for_blocks
 from kmesh_blend.vllm.stats import GAUGES
 from tests.vllm.test_cascade_decode import FP32_LOGPROB_BOUND, MAX_TOKENS, _serve
 
 
 def _timing(family: float, alone: float) -> Timing:
     """Ratios cascade / vLLM of ``family`` and ``alone`` (vLLM's times 1 ms)."""
-    return Timing(8, 1024, family * 1e-3, 1e-3, alone * 1e-3, 1e-3)
+    return Timing(8, 1024, 1000, family * 1e-3, 1e-3, alone * 1e-3, 1e-3)
 
 
 def test_a_family_slower_than_vllm_keeps_new_readers_out() -> None:
@@ -32,8 +34,12 @@ def test_a_family_slower_than_vllm_keeps_new_readers_out() -> None:
     assert not guard.admits and guard.reason is not None
     assert "speed guard" in guard.reason and "1.20x" in guard.reason
     assert guard.gauges() == {"cascade_guard_admits": 0, "cascade_guard_family_permille": 1200,
-                              "cascade_guard_alone_permille": 2000}  # fmt: skip
+                              "cascade_guard_alone_permille": 2000,
+                              "cascade_guard_load_permille": 0,
+                              "cascade_guard_memory_short": 0}  # fmt: skip
     assert "new readers decode on vLLM's kernel" in guard.line()
+    # where requests wait for KV blocks, memory is the bottleneck: readers (and sharing) stay
+    assert guard.note_memory(True) is not None and guard.admits and guard.memory_short
 
 
 @pytest.mark.parametrize(("alone", "on_stock"), [(1.5, True), (0.9, False)])
@@ -54,9 +60,35 @@ def test_off_and_an_untimed_path_trust_the_settings() -> None:
     assert set(off.gauges()) <= set(GAUGES)  # registered on /metrics
 
 
-def _slowed(real: Callable[..., Any]) -> Callable[..., Any]:
+def _step(cascade_ms: float, rows: int) -> Any:
+    from kmesh_blend.vllm.cascade_clock import StepParts
+
+    return StepParts(1, 4, 0, plan_s=0.0, cascade_s=cascade_ms * 1e-3, context_rows=rows)
+
+
+def test_a_path_that_costs_more_under_load_is_switched_off_unless_memory_is_short() -> None:
+    guard = SpeedGuard.decide("auto", _timing(0.5, 0.5))  # vLLM: 1 ms / (8 × 1000 rows), layer
+    lines = [guard.observe(_step(3.0, 8000), layers=2) for _ in range(EVIDENCE)]  # est. 2 ms
+    assert lines[:-1] == [None] * (EVIDENCE - 1) and guard.load_ratio == pytest.approx(1.5)
+    assert not guard.admits and "under this load" in (lines[-1] or "") and "1.50x" in lines[-1]
+    assert guard.gauges()["cascade_guard_load_permille"] == 1500
+    assert "requests wait for KV blocks" in (guard.note_memory(True) or "") and guard.admits
+    for _ in range(200):  # a window without waiting requests, and cheap steps: on again
+        guard.note_memory(False)
+        guard.observe(_step(1.0, 8000), layers=2)
+    assert guard.admits and guard.load_ratio == pytest.approx(0.5)
+
+
+def test_a_request_waits_for_blocks_only_where_the_pool_cannot_hold_its_next_chunk() -> None:
+    assert waits_for_blocks([300], block_size=128, budget=2048, free=2)  # 3 blocks > 2
+    assert not waits_for_blocks([300], block_size=128, budget=2048, free=3)
+    assert not waits_for_blocks([5000], block_size=128, budget=256, free=2)  # one chunk: 2
+    assert not waits_for_blocks([], block_size=128, budget=256, free=0)
+
+
+def _slowed(real: Callable[..., Any], seconds: float = 0.003) -> Callable[..., Any]:
     def slow(*args: Any) -> Any:
-        time.sleep(0.003)
+        time.sleep(seconds)
         return real(*args)
 
     return slow
@@ -126,7 +158,9 @@ def test_a_cascade_path_that_wins_is_kept(monkeypatch: pytest.MonkeyPatch) -> No
     from kmesh_blend.vllm.seam import cpu_attention
 
     real = cpu_attention.stock_forward
-    monkeypatch.setattr(cpu_attention, "stock_forward", lambda layer: _slowed(real(layer)))
+    # 50 ms a call: also what the guard then expects vLLM's kernel to cost per step while
+    # serving, far above what the tiny model's cascade steps cost (planning included)
+    monkeypatch.setattr(cpu_attention, "stock_forward", lambda layer: _slowed(real(layer), 0.05))
     installed = _installed(monkeypatch)
     path, doc_len = build_checkpoint(TINY_LLAMA), 300
     on = _serve(path, "float32", "tiny", doc_len, cascade_decode=True, speed_guard="auto")
@@ -136,4 +170,32 @@ def test_a_cascade_path_that_wins_is_kept(monkeypatch: pytest.MonkeyPatch) -> No
     assert installed[0].gauges()["cascade_guard_admits"] == 1
     for _, _, report in on[:-1]:
         assert report["cascade_steps"] == MAX_TOKENS["tiny"] - 1, report
+    _same_tokens(on, _serve(path, "float32", "tiny", doc_len, cascade_decode=False))
+
+
+def test_a_path_that_loses_under_load_is_switched_off_while_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kmesh_blend.vllm.cascade_install as cascade_install
+
+    # start-up: the family and a lone reader win, but vLLM's kernel costs ~nothing per row
+    timing = Timing(8, 1024, 1089, 1e-9, 2e-9, 1e-9, 2e-9)
+    monkeypatch.setattr(cascade_install, "probe", lambda *args: timing)
+    installed = _installed(monkeypatch)
+    lines = _Lines()
+    logging.getLogger("vllm.kmesh_blend").addFilter(lines)
+    try:
+        path, doc_len = build_checkpoint(TINY_LLAMA), 300
+        on = _serve(path, "float32", "tiny", doc_len, cascade_decode=True, speed_guard="auto")
+    finally:
+        logging.getLogger("vllm.kmesh_blend").removeFilter(lines)
+    monkeypatch.undo()
+    guard = installed[0].guard
+    assert not guard.admits and guard.load_ratio > 1.0 and "under this load" in guard.reason
+    assert installed[0].gauges()["cascade_guard_load_permille"] > 1000
+    assert sum("under this load" in line for line in lines.lines) == 1, lines.lines
+    # the family of 1 decodes first, in cascade, and is weighed; the families after it are out
+    first, later = on[0][2], [r for _, _, r in on[1:-1]]
+    assert first["cascade_steps"] == MAX_TOKENS["tiny"] - 1, first
+    assert all("cascade_steps" not in r and "under this load" in r["cascade_off"] for r in later)
     _same_tokens(on, _serve(path, "float32", "tiny", doc_len, cascade_decode=False))

@@ -31,6 +31,7 @@ __all__ = [
     "StepRequest",
     "block_bytes",
     "check_prefix_caching",
+    "free_blocks",
     "held_blocks",
     "release_blocks",
     "rewrite_hashes",
@@ -109,6 +110,11 @@ def held_blocks(manager: KVCacheManager, block_ids: list[int]) -> int:
     """How many of a request's ``block_ids`` are blocks of vLLM's pool (not its null block)."""
     null = manager.block_pool.null_block.block_id
     return sum(1 for block_id in block_ids if block_id != null)
+
+
+def free_blocks(manager: KVCacheManager) -> int:
+    """Blocks vLLM's pool can hand out now (free or evictable prefix-cache blocks)."""
+    return int(manager.block_pool.get_num_free_blocks())
 
 
 def block_bytes(kv_cache_config: KVCacheConfig) -> int:
