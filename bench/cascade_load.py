@@ -16,7 +16,8 @@ decoding one token, prompt tokens prefilled) and, on the cascade engine, the cas
 on the step's other rows); the rest of a step is the model's GEMMs, norms, the blend and vLLM.
 
 value = Σ step time kmesh_share / Σ kmesh (the whole workload, same arrivals; goal ≤ 1.03);
-config.raw_vs_kmesh the same for the raw path.
+config.raw_vs_kmesh the same for the raw path; config.engine_start_s each engine's start (the
+speed guard's start-up timing included).
 config.table: per make-up (decode-only or with prefill, × requests decoding), steps and median
 step ms per engine, and the cascade engines' mean parts in ms. Results name the CPU and vLLM's
 attention kernel.
@@ -98,6 +99,7 @@ def main() -> None:
             "steps": {k: len(r["step_s"]) for k, r in runs.items()},
             "total_step_s": {k: round(v, 3) for k, v in total.items()},
             "raw_vs_kmesh": round(raw, 4),
+            "engine_start_s": {k: r["start_s"] for k, r in runs.items()},
             "cascade_steps": {k: r["cascade_steps"] for k, r in runs.items()},
             "requests": {k: r["requests"] for k, r in runs.items()},
             "table": table,
@@ -115,10 +117,12 @@ def run(model: str, settings: dict[str, Any], sep: int, work: Any,
     from kmesh_blend.vllm.seam.engine import drop_leaked_connector
 
     extra = {} if args.kv_blocks is None else {"num_gpu_blocks_override": args.kv_blocks}
+    started = time.perf_counter()
     llm = make_llm(model, "bfloat16", max_model_len=4096, enable_prefix_caching=True,
                    max_num_batched_tokens=2048, max_num_seqs=128, block_size=BLOCK_SIZE,
                    kv_transfer_config=kv_transfer_config(store="cpu", separator=[sep],
                                                          **settings), **extra)  # fmt: skip
+    start_s = time.perf_counter() - started
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     makeups: list[tuple[int, int]] = []
@@ -170,6 +174,7 @@ def run(model: str, settings: dict[str, Any], sep: int, work: Any,
         if r.get("cascade_off"):
             reasons[str(r["cascade_off"])] = reasons.get(str(r["cascade_off"]), 0) + 1
     return {"steps": steps, "step_s": [s[0] for s in steps], "cascade_steps": cascade_steps,
+            "start_s": round(start_s, 2),
             "requests": {"finished": len(reports),
                          "reused": sum(1 for r in reports if r.get("reused_tokens")),
                          "in_cascade": sum(1 for r in reports if r.get("cascade_steps")),

@@ -142,12 +142,14 @@ class KMeshConfig:
     says so). The masters cascade decode reads are not counted here (one per document)."""
     speed_guard: Guard = "auto"
     """With ``cascade_decode``: ``auto`` times the cascade path against vLLM's own attention
-    kernel at engine start, on this engine's shapes (a family reading one master, and one reader
-    alone); where the family is slower there, new readers decode on vLLM's kernel and
-    ``share_kv_memory`` gives no block back; where a reader alone is slower, a master only one
-    request of a step reads is read on vLLM's kernel (`kmesh_blend/vllm/speed_guard.py`; the
-    decision, with its figures, in one log line, the reports and ``/metrics``). ``off`` trusts
-    the settings (tests and benchmarks of the raw path)."""
+    kernel at engine start on this engine's shapes (a family reading one master, one reader
+    alone), then weighs every cascade step's cost against vLLM's kernel for the same requests
+    while serving; where cascade costs more, new readers decode on vLLM's kernel and
+    ``share_kv_memory`` gives no more blocks back — unless requests wait for KV blocks, where
+    sharing stays; where one reader alone is slower, a master's only reader of a step is read on
+    vLLM's kernel (`kmesh_blend/vllm/speed_guard.py`; each decision, with its figures, in one log
+    line, the reports and ``/metrics``). ``off`` trusts the settings (tests and benchmarks of the
+    raw path)."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
