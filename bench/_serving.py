@@ -237,6 +237,8 @@ COUNTERS = (
     ("cascade_guard_admits", "vllm:kmesh_cascade_guard_admits", {}),
     ("cascade_guard_family_permille", "vllm:kmesh_cascade_guard_family_permille", {}),
     ("cascade_guard_alone_permille", "vllm:kmesh_cascade_guard_alone_permille", {}),
+    ("cascade_guard_load_permille", "vllm:kmesh_cascade_guard_load_permille", {}),
+    ("cascade_guard_memory_short", "vllm:kmesh_cascade_guard_memory_short", {}),
     ("released_blocks", "vllm:kmesh_released_blocks_total", {}),
     ("kmesh_preemptions", "vllm:kmesh_preemptions_total", {}),
     ("preemptions", "vllm:num_preemptions_total", {}),

@@ -4,13 +4,14 @@ Four engines, each its own ``python -m vllm.entrypoints.openai.api_server`` proc
 SmolLM2-135M-Instruct (bf16, prefix caching on, the same arguments): ``stock`` vLLM; ``kmesh`` at
 its defaults in separator mode; ``kmesh_share`` with ``kmesh.cascade_decode`` and
 ``kmesh.share_kv_memory`` on (the speed guard at its default, ``auto``); ``kmesh_share_raw``, the
-same with ``kmesh.speed_guard: off`` (the raw path beside it). For every request rate a fresh server of each engine (nothing
-stored from an earlier rate) is warmed with one unrelated request, then driven by
-`vllm.benchmarks.serve` — the client ``vllm bench serve`` runs — with Poisson arrivals at that
-rate, over the same JSONL (the agent families of `_serving.py`, in file order), the same output
-lengths (``--ignore-eos``) and seed. Every figure comes from the client's saved result; the
-servers' own ``/metrics`` after the run say where the time went (reuse, fallbacks by reason,
-storage reads, cascade steps, released blocks, preemptions).
+same with ``kmesh.speed_guard: off`` (the raw path beside it). For every request rate a fresh
+server of each engine (nothing stored from an earlier rate) is warmed with one unrelated request,
+then driven by `vllm.benchmarks.serve` — the client ``vllm bench serve`` runs — with Poisson
+arrivals at that rate, over the same JSONL (the agent families of `_serving.py`, in file
+order), the same output lengths (``--ignore-eos``) and seed. Every figure comes from the client's
+saved result; the servers' own ``/metrics`` after the run say where the time went (reuse,
+fallbacks by reason, storage reads, cascade steps, released blocks, preemptions, the speed
+guard's decision).
 
 SLO: TTFT ≤ 3 s and time per output token ≤ 250 ms (docs/load.md says why, and how tight 3 s is
 on 2 cores: a family's first agent is a full prefill of ≈ 2.5 s on a one-core worker); the same

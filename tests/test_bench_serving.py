@@ -189,12 +189,14 @@ def test_quick_run_through_real_servers_and_vllms_client() -> None:
             assert server["requests_reused"] >= follow_ups, where
             assert server["requests_fallback"] == 0 and server["fallbacks_by_reason"] == {}, where
             assert server["reused_tokens"] > 0 and server["recomputed_tokens"] > 0, where
-            # the guarded engine shares where its start-up timing found cascade decode faster
-            # than vLLM's kernel (a measured decision: either way, its gauges say which)
+            # the guarded engine shares where its timings found cascade decode faster than vLLM's
+            # kernel, at start and under the run's load (a measured decision: its gauges say
+            # which; off from the start, it never decoded in cascade)
             guarded = engine == "kmesh_share" and not server["cascade_guard_admits"]
-            if guarded:
-                assert server["cascade_guard_family_permille"] > 1000, where
+            if guarded and server["cascade_guard_family_permille"] > 1000:
                 assert server["cascade_steps"] == 0 and server["released_blocks"] == 0, where
+            elif guarded:
+                assert server["cascade_guard_load_permille"] > 1000, where
             elif engine.startswith("kmesh_share"):
                 assert server["cascade_steps"] > 0 and server["released_blocks"] > 0, where
             else:
