@@ -33,6 +33,7 @@ S_BEGIN, S_END = "<!-- serving:begin -->", "<!-- serving:end -->"
 VARIANTS = {
     "quality_smollm2": ("quality.py", ["--model", "smollm2"]),
     "follow_up_ttft_smollm2": ("follow_up_ttft.py", ["--model", "smollm2"]),
+    "cascade_load_kv64": ("cascade_load.py", ["--kv-blocks", "64"]),
     "follow_up_ttft_smollm2_mixed": (
         "follow_up_ttft.py",
         ["--model", "smollm2", "--workload", "mixed"],

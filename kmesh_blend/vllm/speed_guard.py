@@ -12,8 +12,9 @@ each on the cascade path and on vLLM's own kernel over the same requests' whole 
 - a reader alone slower: in a step where a master has one reader, that reader is served by
   vLLM's kernel (unless its blocks went back to vLLM's pool: only the cascade path can read it).
 
-While serving, `SpeedGuard.observe` weighs each cascade step — what the path cost (planning,
-arming new readers, the kernel: `cascade_clock.StepParts`) against what vLLM's kernel would have
+While serving, `SpeedGuard.observe` weighs each cascade step — what the path cost (planning and
+the kernel, `cascade_clock.StepParts`; arming a new reader is paid once for its whole decode and
+not weighed) against what vLLM's kernel would have
 cost for the same requests (the start-up timing per context row, times their context rows and
 layers) — over the last `WINDOW` cascade steps, from `EVIDENCE` on. Where the path costs more,
 it is not used for new readers and sharing gives no more blocks back; but where requests wait
@@ -47,6 +48,7 @@ class Parts(Protocol):
     """What `observe` reads of a step (`kmesh_blend.vllm.cascade_clock.StepParts`)."""
 
     plan_s: float
+    arm_s: float
     cascade_s: float
     context_rows: int
 
@@ -161,7 +163,9 @@ class SpeedGuard:
             return None
         before = self.state
         estimate = self.timing.stock_row_s * parts.context_rows * layers
-        self._window.append((parts.plan_s + parts.cascade_s, estimate))
+        # arming a reader is paid once and buys its whole decode: not weighed per step (a
+        # family's first step would otherwise carry all its arms)
+        self._window.append((parts.plan_s - parts.arm_s + parts.cascade_s, estimate))
         if len(self._window) >= EVIDENCE:
             measured, estimated = self._sums()
             self.load_ratio = measured / estimated if estimated > 0 else None
