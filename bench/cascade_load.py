@@ -84,7 +84,7 @@ def main() -> None:
     print(f"sum of step times: {', '.join(f'{k} {v:.2f} s' for k, v in total.items())}; "
           f"kmesh_share / kmesh = {value:.3f}, raw (speed guard off) {raw:.3f}")  # fmt: skip
     emit({
-        "name": "cascade_load",
+        "name": "cascade_load" + (f"_kv{args.kv_blocks}" if args.kv_blocks else ""),
         "metric": "engine time for the serving workload, cascade + shared memory / KMesh defaults",
         "value": round(value, 4),
         "unit": "x",
