@@ -95,10 +95,8 @@ class CascadeDecode:
     def share(self, world_size: int, cap: int) -> None:
         """Give back readers' segment blocks from now on (``kmesh.share_kv_memory``), their
         mirrors within ``cap`` bytes."""
-        off = None
-        if not self.guard.admits:
-            off = self.guard.reason
-        elif self.kernel is None:
+        off = None  # (the speed guard decides per reader, at its first step: `_build`)
+        if self.kernel is None:
             off = "cascade decode runs on its plain-torch fallback, not the CPU kernel"
         elif world_size > 1:
             off = f"tensor parallelism ({world_size} ranks would each have to agree)"

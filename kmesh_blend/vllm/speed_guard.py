@@ -55,9 +55,10 @@ class Parts(Protocol):
 
 @dataclass(frozen=True)
 class Timing:
-    """One attention layer, median seconds: ``family`` readers, each with ``context`` rows of
-    which ``rows`` from one master, on the cascade path (``family_s``) and on vLLM's kernel
-    (``family_stock_s``); one of them alone likewise (``alone_s``, ``alone_stock_s``)."""
+    """One attention layer, seconds (the fastest of a few runs): ``family`` readers, each with
+    ``context`` rows of which ``rows`` from one master, on the cascade path (``family_s``) and on
+    vLLM's kernel (``family_stock_s``); one of them alone likewise (``alone_s``,
+    ``alone_stock_s``)."""
 
     family: int
     rows: int
