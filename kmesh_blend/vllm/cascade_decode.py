@@ -36,11 +36,12 @@ from kmesh_blend.vllm.cascade_attend import (
     attend_kernel,
     attend_torch,
 )
-from kmesh_blend.vllm.cascade_buffers import Composition, OwnPool, Sources, compose, partition
+from kmesh_blend.vllm.cascade_buffers import Composition, OwnPool
 from kmesh_blend.vllm.cascade_clock import StepClock, StepParts
+from kmesh_blend.vllm.cascade_step import PINNED, build_step
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.kv_release import Sharing
-from kmesh_blend.vllm.seam.cpu_attention import attn_scale, run_kernel, sub_batch
+from kmesh_blend.vllm.seam.cpu_attention import attn_scale, run_kernel
 from kmesh_blend.vllm.speed_guard import SpeedGuard
 
 if TYPE_CHECKING:
@@ -52,12 +53,6 @@ log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 ReqIds = Callable[[int], "list[str] | None"]
 Fields = dict[str, "int | str | None"]  # report fields of one request
-
-_PREEMPTED = "preempted: {}; later steps on vLLM's kernel"
-_PINNED = (
-    "kmesh: requests whose segment blocks went back to vLLM's pool (kmesh.share_kv_memory) "
-    "cannot be served by vLLM's kernel, and this step cannot run in cascade: {}"
-)
 
 
 class CascadeDecode:
@@ -79,7 +74,7 @@ class CascadeDecode:
         self.paused = False
         self._meta: tuple[object, int] | None = None  # what the cached step was built for
         self._step: Step | None = None
-        self._composition: Composition | None = None
+        self.composition: Composition | None = None
         # each cascade request's own rows, one slot for its whole decode (CPU kernel: the KV
         # dtype in its tiles; torch path: fp32)
         self.pool = OwnPool(len(self.caches), (self.num_kv_heads, self.head_dim),
@@ -89,8 +84,8 @@ class CascadeDecode:
         self.guard = SpeedGuard("off")  # set by `cascade_install.install` (kmesh.speed_guard)
         self.clock = StepClock()  # the parts of recent cascade steps
         self._parts: StepParts | None = None
-        self._arm_s = 0.0  # of this step's plan: arming new readers (once per request)
-        self._context_rows = 0  # of this step's cascade requests
+        self.step_arm_s = 0.0  # of this step's plan: arming new readers (once per request)
+        self.step_context_rows = 0  # of this step's cascade requests
 
     def share(self, world_size: int, cap: int) -> None:
         """Give back readers' segment blocks from now on (``kmesh.share_kv_memory``), their
@@ -134,7 +129,7 @@ class CascadeDecode:
                     master.users -= 1
                     if master.users <= 0:
                         del self.masters[use.key]
-        self._composition = None
+        self.composition = None
 
     def note_memory(self, short: bool) -> None:
         """This step's scheduler signal: a request waited for KV blocks (the speed guard)."""
@@ -172,7 +167,7 @@ class CascadeDecode:
             self._meta, self._step, self._parts = stamp, None, None
             # paused: only readers whose blocks went back still need the path
             if self.plans and self.broken is None and (not self.paused or self.num_pinned):
-                start, self._arm_s = self.clock.now(), 0.0
+                start, self.step_arm_s = self.clock.now(), 0.0
                 try:
                     self._step = self._build(batch, layer, query.dtype, only_pinned=self.paused)
                 except Exception as exc:
@@ -183,8 +178,8 @@ class CascadeDecode:
                         int(self._step.tokens.numel()),
                         0 if others is None else int(others[0].numel()),
                         self.clock.now() - start,
-                        self._arm_s,
-                        self._context_rows,
+                        self.step_arm_s,
+                        self.step_context_rows,
                     )
         step, parts = self._step, self._parts
         if step is None or parts is None:
@@ -229,7 +224,7 @@ class CascadeDecode:
         """A step whose metadata the path cannot read runs on vLLM's kernel: refused while a
         reader's blocks are given back (that kernel would read blocks others now hold)."""
         if self.num_pinned:
-            raise RuntimeError(_PINNED.format("its attention metadata is not plain causal"))
+            raise RuntimeError(PINNED.format("its attention metadata is not plain causal"))
 
     def _run_kernel(self, index: int, step: Step, layer: AttnLayer, query: torch.Tensor,
                     key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
@@ -253,88 +248,10 @@ class CascadeDecode:
         for req_id in list(self.plans):
             self.drop(req_id, f"cascade decode failed: {self.broken}")
         if pinned:  # vLLM's kernel would read blocks other requests now hold
-            raise RuntimeError(_PINNED.format(f"cascade decode failed: {self.broken}")) from exc
+            raise RuntimeError(PINNED.format(f"cascade decode failed: {self.broken}")) from exc
 
-    # --- per-step plan --------------------------------------------------------------------------
+    # --- per-step plan (`kmesh_blend.vllm.cascade_step`) -----------------------------------------
 
     def _build(self, batch: StepBatch, layer: AttnLayer, dtype: torch.dtype,
                only_pinned: bool = False) -> Step | None:  # fmt: skip
-        num_reqs = int(batch.seq_lens.numel())
-        ids = self.req_ids(num_reqs)
-        if ids is None or len(ids) < num_reqs:
-            if self.num_pinned:
-                raise RuntimeError(_PINNED.format("the batch's request ids are unknown"))
-            return None
-        starts = batch.query_start_loc.tolist()
-        seq_lens = batch.seq_lens.tolist()
-        chosen: list[tuple[int, DecodePlan]] = []
-        for i, req_id in enumerate(ids[:num_reqs]):
-            plan = self.plans.get(req_id)
-            if plan is None or (only_pinned and not plan.pinned):
-                continue
-            if not plan.holds(batch.block_table[i]):
-                self.drop(req_id, _PREEMPTED.format("its blocks changed"))
-                continue
-            decoding = starts[i + 1] - starts[i] == 1 and seq_lens[i] > plan.num_tokens
-            if not decoding:
-                if plan.armed:  # prefilled again after a preemption: its rows are new
-                    self.drop(req_id, _PREEMPTED.format("its prompt was computed again"))
-                continue
-            if not plan.armed:
-                start = self.clock.now()
-                reason = plan.arm(self.layout, self.caches, self.rope)
-                if reason is not None:
-                    self._arm_s += self.clock.now() - start
-                    self.drop(req_id, reason)
-                    continue
-                for use in plan.uses:
-                    if use.key not in self.masters:
-                        self.masters[use.key] = SharedMaster.of(
-                            use.master, self.caches[0].dtype, tiled=self.kernel is not None
-                        )
-                    self.masters[use.key].users += 1
-                if self.sharing is not None and self.guard.reason is not None:
-                    self.reports.setdefault(req_id, {})["kv_share_off"] = self.guard.reason
-                elif self.sharing is not None:
-                    field, value = self.sharing.consider(plan, self.layout.block_size,
-                                                         self.layout, self.caches)  # fmt: skip
-                    self.reports.setdefault(req_id, {})[field] = value
-                self._arm_s += self.clock.now() - start
-            chosen.append((i, plan))
-        if self.guard.alone_on_stock and chosen:
-            chosen = self._without_lone_readers(chosen)
-        if not chosen:
-            return None
-        for _, plan in chosen:
-            plan.steps += 1
-            self.reports.setdefault(plan.req_id, {}).update(
-                cascade_steps=plan.steps,
-                cascade_shared_rows=plan.shared_rows,
-                cascade_kernel="cpu" if self.kernel is not None else "torch",
-            )
-        rows = [i for i, _ in chosen]
-        self._context_rows = sum(seq_lens[i] for i in rows)
-        generated = [seq_lens[i] - 1 - plan.num_tokens for i, plan in chosen]
-        sources = Sources(self.masters, self.caches, self.layout, self.rope)
-        composition = compose(batch, chosen, generated, self._composition, self.pool, sources)
-        self._composition = composition
-        for slot, g in zip(composition.slots, generated, strict=True):
-            self.pool.filled[slot] = g + 1  # this step's row, appended by every layer
-        others = sorted(set(range(num_reqs)) - set(rows))
-        tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
-        done = torch.tensor(generated, dtype=torch.int64)
-        return Step(
-            tokens,
-            [(group, tokens[group.rows], done[group.rows]) for group in composition.groups],
-            sub_batch(batch, layer, dtype, others, starts) if others else None,
-        )
-
-    @staticmethod
-    def _without_lone_readers(
-        chosen: list[tuple[int, DecodePlan]],
-    ) -> list[tuple[int, DecodePlan]]:
-        """``chosen`` less each request that is a master's only reader in the step and still
-        holds its blocks: vLLM's kernel serves it faster here (`SpeedGuard.alone_on_stock`)."""
-        plans = [plan for _, plan in chosen]
-        lone = {g[0] for g in partition(plans) if len(g) == 1 and not plans[g[0]].pinned}
-        return [pair for r, pair in enumerate(chosen) if r not in lone]
+        return build_step(self, batch, layer, dtype, only_pinned)

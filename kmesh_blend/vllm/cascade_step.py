@@ -1,0 +1,123 @@
+"""One cascade decode step, planned: which requests decode in cascade, and what they read.
+
+Called by `kmesh_blend.vllm.cascade_decode.CascadeDecode` at the first layer of each step (the
+same attention metadata serves every layer). A request decodes in cascade when its plan is armed,
+its blocks are the ones it was blended into, and it decodes one token; a new reader is armed
+here (its rows verified against the masters, its masters tiled, its blocks given back where
+sharing and the speed guard allow it). Plain torch: vLLM only through the seam.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kmesh_blend.vllm.cascade_attend import Step
+from kmesh_blend.vllm.cascade_buffers import Sources, compose, partition
+from kmesh_blend.vllm.decode_plan import DecodePlan, SharedMaster
+from kmesh_blend.vllm.seam.cpu_attention import sub_batch
+
+if TYPE_CHECKING:
+    from kmesh_blend.vllm.cascade_decode import CascadeDecode
+    from kmesh_blend.vllm.seam.cpu_attention import AttnLayer, StepBatch
+
+__all__ = ["PINNED", "PREEMPTED", "arm_reader", "build_step", "without_lone_readers"]
+
+PREEMPTED = "preempted: {}; later steps on vLLM's kernel"
+PINNED = (
+    "kmesh: requests whose segment blocks went back to vLLM's pool (kmesh.share_kv_memory) "
+    "cannot be served by vLLM's kernel, and this step cannot run in cascade: {}"
+)
+
+
+def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torch.dtype,
+               only_pinned: bool = False) -> Step | None:  # fmt: skip
+    """The step of ``d``'s cascade requests in ``batch`` (None: vLLM's forward serves it):
+    plans matched by request id and block table, new readers armed (`arm_reader`), lone readers
+    left to vLLM's kernel where the speed guard says so, the set composed, vLLM's sub-batch of
+    the other requests built. Records the step's arming time and context rows on ``d``."""
+    num_reqs = int(batch.seq_lens.numel())
+    ids = d.req_ids(num_reqs)
+    if ids is None or len(ids) < num_reqs:
+        if d.num_pinned:
+            raise RuntimeError(PINNED.format("the batch's request ids are unknown"))
+        return None
+    starts = batch.query_start_loc.tolist()
+    seq_lens = batch.seq_lens.tolist()
+    chosen: list[tuple[int, DecodePlan]] = []
+    for i, req_id in enumerate(ids[:num_reqs]):
+        plan = d.plans.get(req_id)
+        if plan is None or (only_pinned and not plan.pinned):
+            continue
+        if not plan.holds(batch.block_table[i]):
+            d.drop(req_id, PREEMPTED.format("its blocks changed"))
+            continue
+        decoding = starts[i + 1] - starts[i] == 1 and seq_lens[i] > plan.num_tokens
+        if not decoding:
+            if plan.armed:  # prefilled again after a preemption: its rows are new
+                d.drop(req_id, PREEMPTED.format("its prompt was computed again"))
+            continue
+        if not plan.armed and not arm_reader(d, req_id, plan):
+            continue
+        chosen.append((i, plan))
+    if d.guard.alone_on_stock and chosen:
+        chosen = without_lone_readers(chosen)
+    if not chosen:
+        return None
+    for _, plan in chosen:
+        plan.steps += 1
+        d.reports.setdefault(plan.req_id, {}).update(
+            cascade_steps=plan.steps,
+            cascade_shared_rows=plan.shared_rows,
+            cascade_kernel="cpu" if d.kernel is not None else "torch",
+        )
+    rows = [i for i, _ in chosen]
+    d.step_context_rows = sum(seq_lens[i] for i in rows)
+    generated = [seq_lens[i] - 1 - plan.num_tokens for i, plan in chosen]
+    sources = Sources(d.masters, d.caches, d.layout, d.rope)
+    composition = compose(batch, chosen, generated, d.composition, d.pool, sources)
+    d.composition = composition
+    for slot, g in zip(composition.slots, generated, strict=True):
+        d.pool.filled[slot] = g + 1  # this step's row, appended by every layer
+    others = sorted(set(range(num_reqs)) - set(rows))
+    tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
+    done = torch.tensor(generated, dtype=torch.int64)
+    return Step(
+        tokens,
+        [(group, tokens[group.rows], done[group.rows]) for group in composition.groups],
+        sub_batch(batch, layer, dtype, others, starts) if others else None,
+    )
+
+
+def arm_reader(d: CascadeDecode, req_id: str, plan: DecodePlan) -> bool:
+    """Arm ``plan`` at its first decode step: verify its rows (`DecodePlan.arm`), hold its
+    masters in the kernel's layout, give its blocks back where sharing and the speed guard
+    allow; False (and the plan dropped, saying why) when it cannot decode in cascade."""
+    start = d.clock.now()
+    reason = plan.arm(d.layout, d.caches, d.rope)
+    if reason is not None:
+        d.step_arm_s += d.clock.now() - start
+        d.drop(req_id, reason)
+        return False
+    for use in plan.uses:
+        if use.key not in d.masters:
+            d.masters[use.key] = SharedMaster.of(
+                use.master, d.caches[0].dtype, tiled=d.kernel is not None
+            )
+        d.masters[use.key].users += 1
+    if d.sharing is not None and d.guard.reason is not None:
+        d.reports.setdefault(req_id, {})["kv_share_off"] = d.guard.reason
+    elif d.sharing is not None:
+        field, value = d.sharing.consider(plan, d.layout.block_size, d.layout, d.caches)
+        d.reports.setdefault(req_id, {})[field] = value
+    d.step_arm_s += d.clock.now() - start
+    return True
+
+
+def without_lone_readers(chosen: list[tuple[int, DecodePlan]]) -> list[tuple[int, DecodePlan]]:
+    """``chosen`` less each request that is a master's only reader in the step and still holds
+    its blocks: vLLM's kernel serves it faster here (`SpeedGuard.alone_on_stock`)."""
+    plans = [plan for _, plan in chosen]
+    lone = {g[0] for g in partition(plans) if len(g) == 1 and not plans[g[0]].pinned}
+    return [pair for r, pair in enumerate(chosen) if r not in lone]
