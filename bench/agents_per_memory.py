@@ -108,7 +108,10 @@ def main() -> None:
         print(f"engine: {name}", file=sys.stderr, flush=True)
         config = None
         if kmesh is not None:
-            config = kv_transfer_config(cascade_decode=True, share_kv_memory=kmesh)
+            # the raw path (speed guard off): how many agents sharing fits, whatever it costs
+            config = kv_transfer_config(
+                cascade_decode=True, share_kv_memory=kmesh, speed_guard="off"
+            )
         llm = make_llm(path, kv_transfer_config=config, **common)
         try:
             if kmesh is not None:

@@ -98,7 +98,11 @@ def main() -> None:
         then the family's prompts unannotated."""
         llm = make_llm(
             path,
-            kv_transfer_config=kv_transfer_config(cascade_decode=True, recompute_ratio=RATIO),
+            # the raw path: this measures cascade itself, on vs paused (the speed guard would
+            # send the family to vLLM's kernel wherever its start-up timing says so)
+            kv_transfer_config=kv_transfer_config(
+                cascade_decode=True, recompute_ratio=RATIO, speed_guard="off"
+            ),
             **common,
         )
         _run(llm, [reader], annotate=True, new_tokens=1)
