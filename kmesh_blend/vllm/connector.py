@@ -138,12 +138,10 @@ class KMeshConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         meta = self.scheduler.build_meta(step_requests(scheduler_output))
-        if self._asked and self.kv_manager is not None:
-            needs = [
-                n for r, n in self._asked.items() if r not in scheduler_output.num_scheduled_tokens
-            ]
-            meta.memory_short = waits_for_blocks(needs, self._block_size, self._budget,
-                                                 free_blocks(self.kv_manager))  # fmt: skip
+        if self._asked and self.kv_manager is not None:  # (admitted ones left at their alloc)
+            free = free_blocks(self.kv_manager)
+            needs = list(self._asked.values())
+            meta.memory_short = waits_for_blocks(needs, self._block_size, self._budget, free)
         self._asked.clear()
         return meta
 
