@@ -164,8 +164,13 @@ class Server:
         if exc and exc[0] is not None and self.log.exists():
             # The log lives in the run's temporary folder: what the server said before a failed
             # run goes to stderr while it still exists.
-            tail = self.log.read_text(errors="replace").splitlines()[-80:]
-            print(f"--- last lines of {self.log.name}:", *tail, sep="\n", file=sys.stderr)
+            # The API server's own errors come last and only echo the cause: the first error
+            # the server logged (the engine core's traceback) goes first.
+            lines = self.log.read_text(errors="replace").splitlines()
+            first = next((i for i, line in enumerate(lines) if " ERROR " in line), len(lines))
+            print(f"--- first error in {self.log.name}:", *lines[first : first + 80],
+                  f"--- last lines of {self.log.name}:", *lines[-40:], sep="\n",
+                  file=sys.stderr)  # fmt: skip
 
     def worker_cores(self) -> list[int]:
         """The cores vLLM bound its worker's threads to, from its start-up log (empty when it

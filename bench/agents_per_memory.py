@@ -28,7 +28,11 @@ config.bytes_model (per agent at steady decode, from the reports): stock = its b
 bytes; sharing = kept blocks + its mirror + D's master / 8 (its family's share).
 config.step_per_agent_ratio = sharing / stock of that per-agent decode step time.
 
-Run: python bench/agents_per_memory.py [--quick]
+``--speed-guard off`` (default) measures the raw path, whatever it costs; ``auto`` runs both KMesh
+engines with the speed guard at the engine's default (result ``agents_per_memory_guard``):
+sharing holds where requests wait for blocks, and config.guard holds the guard's decision.
+
+Run: python bench/agents_per_memory.py [--quick] [--speed-guard off|auto]
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=32,
                         help="vLLM's KV block size (on an AMX CPU, bf16: 32 runs vLLM's amx "
                         "kernel, 16 its vec16 one: config.attn_isa names it)")  # fmt: skip
+    parser.add_argument("--speed-guard", default="off", choices=["off", "auto"],
+                        help="off: the raw path; auto: the engine's default decides")  # fmt: skip
     args = parser.parse_args()
     block = args.block_size
     if block < 16 or block % 16:
@@ -104,13 +110,14 @@ def main() -> None:
 
     engines: dict[str, dict[str, Any]] = {}
     reports: list[dict[str, Any]] = []
+    guard: dict[str, Any] = {}
     for name, kmesh in [("stock", None), ("kmesh", False), ("kmesh_shared", True)]:
         print(f"engine: {name}", file=sys.stderr, flush=True)
         config = None
         if kmesh is not None:
-            # the raw path (speed guard off): how many agents sharing fits, whatever it costs
+            # off: how many agents sharing fits, whatever it costs; auto: what a user gets
             config = kv_transfer_config(
-                cascade_decode=True, share_kv_memory=kmesh, speed_guard="off"
+                cascade_decode=True, share_kv_memory=kmesh, speed_guard=args.speed_guard
             )
         llm = make_llm(path, kv_transfer_config=config, **common)
         try:
@@ -141,6 +148,10 @@ def main() -> None:
                     output = driven.outputs[f"a{i}"]
                     report = (output.kv_transfer_params or {}).get("kmesh", {})
                     reports.append({**report, "bench_engine": name})
+                cascade = live_worker().cascade
+                if kmesh and cascade is not None:
+                    guard.update(state=cascade.guard.state, line=cascade.guard.line(),
+                                 gauges=cascade.guard.gauges())  # fmt: skip
             print(f"  {engines[name]}", file=sys.stderr, flush=True)
         finally:
             del llm
@@ -170,7 +181,7 @@ def main() -> None:
         step_ratio = round(engines["kmesh_shared"]["step_s_per_agent"]
                            / engines["stock"]["step_s_per_agent"], 3)  # fmt: skip
     emit({
-        "name": "agents_per_memory",
+        "name": "agents_per_memory" + ("_guard" if args.speed_guard == "auto" else ""),
         "metric": "most agents decoding at once in one KV budget, KMesh sharing / stock vLLM",
         "value": round(ratio, 3),
         "unit": "x",
@@ -183,6 +194,7 @@ def main() -> None:
             "kv_budget_blocks": blocks, "block_size": block, "block_bytes": block_bytes,
             "attn_isa": attn_isa("bfloat16", block, head_dim),
             "budget_agents": args.budget_agents, "engines": engines,
+            "speed_guard": args.speed_guard, "guard": guard,
             "bytes_model": bytes_model, "step_per_agent_ratio": step_ratio,
             "released_blocks_per_agent": statistics.mean(r.get("released_blocks", 0)
                                                          for r in shared),

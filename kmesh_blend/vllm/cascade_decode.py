@@ -100,16 +100,18 @@ class CascadeDecode:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def add(self, req_id: str, block_ids: list[int], slots: torch.Tensor, uses: list[MasterUse],
-            first: int = 0) -> None:  # fmt: skip
-        """A request blended this step (``slots`` [T] int64: its T prompt tokens' slots; the
-        blend wrote tokens ``first``.. of them); its plan is armed at its first decode step."""
+            first: int = 0, prompt_len: int | None = None) -> None:  # fmt: skip
+        """A request blended this step (``slots`` [T'] int64: the slots of the prompt tokens its
+        blocks hold so far, of ``prompt_len`` (None: T'); the blend wrote tokens ``first``.. of
+        them); its plan is completed and armed at its first decode step."""
         self.drop(req_id)
         if self.broken is not None:
             self.reports[req_id] = {"cascade_off": f"cascade decode failed: {self.broken}"}
         elif uses and not self.guard.admits:
             self.reports[req_id] = {"cascade_off": self.guard.reason}
         elif uses:
-            self.plans[req_id] = DecodePlan(req_id, list(block_ids), slots, uses, first)
+            self.plans[req_id] = DecodePlan(req_id, list(block_ids), slots, uses, first,
+                                            prompt_len)  # fmt: skip
             self.reports[req_id] = {"cascade_steps": 0}
 
     def drop(self, req_id: str, reason: str | None = None) -> None:

@@ -5,7 +5,8 @@ and paged layout, never the live cache: ``family`` readers, each with ``own`` pr
 followed by one master of ``rows`` rows, decoding one token each; then the first of them alone.
 Each runs on the cascade path (`CascadeDecode.forward`, its step planned once, as every later
 layer of a step reuses it) and on vLLM's kernel over the same requests' whole contexts, in turn,
-``reps`` times after one warm-up; the fastest of each. Well under a second on 2 cores.
+``reps`` times after one warm-up; the fastest of each, and how many of the paired runs the cascade
+path lost (the guard's sign test). Well under a second on 2 cores.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def probe(kv: EngineKV, kernel: Kernel | None, family: int = 8, rows: int = 1024
     stock = vllm_attn.stock_forward(layer)
     names = [f"probe{r}" for r in range(family)]
 
-    def pair(n: int) -> tuple[float, float]:
-        """(cascade, vLLM) seconds for the first n readers."""
+    def pair(n: int) -> tuple[float, float, int]:
+        """(cascade, vLLM) seconds for the first n readers; runs the cascade path lost."""
         table = torch.tensor(blocks[:n], dtype=torch.int32)
         meta = vllm_attn.scratch_batch(
             layer, torch.arange(n + 1, dtype=torch.int32),
@@ -85,14 +86,17 @@ def probe(kv: EngineKV, kernel: Kernel | None, family: int = 8, rows: int = 1024
             raise RuntimeError(f"the probe's readers did not decode in cascade: {decode.broken}")
         return _fastest(cascade, vllm, reps)
 
-    family_s, family_stock_s = pair(family)
-    alone_s, alone_stock_s = pair(1)
-    return Timing(family, rows, prompt + 1, family_s, family_stock_s, alone_s, alone_stock_s)
+    family_s, family_stock_s, family_lost = pair(family)
+    alone_s, alone_stock_s, alone_lost = pair(1)
+    return Timing(family, rows, prompt + 1, family_s, family_stock_s, alone_s, alone_stock_s,
+                  reps, family_lost, alone_lost)  # fmt: skip
 
 
-def _fastest(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
+def _fastest(a: Callable[[], object], b: Callable[[], object],
+             reps: int) -> tuple[float, float, int]:  # fmt: skip
     """Fastest seconds of ``a`` and ``b``, run in turn ``reps`` times after one warm-up each
-    (a shared machine only ever adds time: the fastest run is the kernel's own)."""
+    (a shared machine only ever adds time: the fastest run is the kernel's own), and in how
+    many of those paired runs ``a`` took longer than ``b``."""
     a(), b()
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(reps):
@@ -100,4 +104,5 @@ def _fastest(a: Callable[[], object], b: Callable[[], object], reps: int) -> tup
             start = time.perf_counter()
             fn()
             into.append(time.perf_counter() - start)
-    return min(times[0]), min(times[1])
+    lost = sum(ta > tb for ta, tb in zip(*times, strict=True))
+    return min(times[0]), min(times[1]), lost

@@ -58,8 +58,10 @@ def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torc
             if plan.armed:  # prefilled again after a preemption: its rows are new
                 d.drop(req_id, PREEMPTED.format("its prompt was computed again"))
             continue
-        if not plan.armed and not arm_reader(d, req_id, plan):
-            continue
+        if not plan.armed:
+            plan.complete(batch.block_table[i], d.layout.block_size)
+            if not arm_reader(d, req_id, plan):
+                continue
         chosen.append((i, plan))
     if d.guard.alone_on_stock and chosen:
         chosen = without_lone_readers(chosen)

@@ -19,7 +19,7 @@ from kmesh_blend.cpu.layout import pair_values, tile_keys
 from kmesh_blend.models.rope import RotaryEmbedding
 from kmesh_blend.segments.master import Master
 from kmesh_blend.vllm.kv_release import Release
-from kmesh_blend.vllm.paged import PagedLayout
+from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 
 __all__ = ["DecodePlan", "MasterUse", "SharedMaster"]
 
@@ -75,6 +75,7 @@ class DecodePlan:
     slots: torch.Tensor
     uses: list[MasterUse]
     first: int = 0  # the first prompt token the blend wrote (earlier ones: vLLM's prefix cache)
+    prompt_len: int | None = None  # its prompt tokens (None: as many as ``slots``)
     armed: bool = False
     steps: int = 0
     shared_rows: int = 0  # prompt rows read from masters, averaged over layers
@@ -84,7 +85,17 @@ class DecodePlan:
 
     def __post_init__(self) -> None:
         self.blocks = torch.tensor(self.block_ids, dtype=torch.int64)
-        self.num_tokens = int(self.slots.numel())
+        self.num_tokens = int(self.slots.numel()) if self.prompt_len is None else self.prompt_len
+
+    def complete(self, block_row: torch.Tensor, block_size: int) -> None:
+        """Take the blocks of the prompt's rest from a batch's block-table row [max_blocks] (it
+        `holds` this plan's): a prompt vLLM prefilled in chunks after the blend got their blocks
+        in later steps; at its first decode step every prompt token has one."""
+        if self.slots.numel() >= self.num_tokens:
+            return
+        ids = block_row[: -(-self.num_tokens // block_size)].to(torch.int64)
+        self.block_ids, self.blocks = ids.tolist(), ids
+        self.slots = slot_mapping(self.block_ids, block_size, 0, self.num_tokens)
 
     def holds(self, block_row: torch.Tensor) -> bool:
         """Whether a batch's block-table row [max_blocks] starts with this request's blocks."""

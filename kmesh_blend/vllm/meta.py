@@ -113,11 +113,23 @@ class LoadRequest:
         return VLLM_TAIL if self.end is None else 0
 
     def slots(self, block_size: int) -> torch.Tensor:
-        """[T] int64: the paged-cache slot of every prompt token (computed once, then carried
-        to every write, read and plan of this request)."""
+        """[T'] int64: the paged-cache slots of the first T' prompt tokens, those its blocks
+        hold this step (computed once, then carried to every write, read and plan of this
+        request). T' < T when vLLM prefills the prompt in chunks: a blend that stops early
+        gets blocks up to its end and this step's chunk; the rest's come in later steps."""
         if self._slots is None:
-            self._slots = slot_mapping(self.block_ids, block_size, 0, len(self.token_ids))
+            held = min(len(self.token_ids), len(self.block_ids) * block_size)
+            self._slots = slot_mapping(self.block_ids, block_size, 0, held)
         return self._slots
+
+    def unheld(self, block_size: int) -> str | None:
+        """Why this step's blocks cannot take what the load writes (None: they can): the blend
+        writes prompt tokens up to `blend_len`, a turn restore up to ``turn_len``."""
+        need = self.turn_len if self.turn is not None else self.blend_len
+        held = int(self.slots(block_size).numel())
+        if held < need:
+            return f"its blocks hold {held} of the {need} prompt tokens the load writes"
+        return None
 
 
 @dataclass

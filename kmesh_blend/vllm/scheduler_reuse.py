@@ -17,12 +17,11 @@ __all__ = ["blend_end", "plan_reuse"]
 def plan_reuse(
     plan: Plan, annotation: Annotation, namespace: Namespace, num_computed: int,
     skip_reading: bool, turns: TurnRegistry, segments: SegmentRegistry, round_lifetime: int,
-    recompute_ratio: float, cascade: bool = False,
+    recompute_ratio: float,
 ) -> int:  # fmt: skip
     """Fill ``plan``'s loads, saves, turn and blend end; the tokens the worker will provide.
     ``skip_reading``: vLLM takes no KV for this request (it asked for prompt_logprobs).
-    ``recompute_ratio``: the engine's (the request's own, in ``plan.options``, comes first).
-    ``cascade``: the engine decodes blended requests in cascade (`blend_end`)."""
+    ``recompute_ratio``: the engine's (the request's own, in ``plan.options``, comes first)."""
     tokens, refs, num_computed_tokens = plan.token_ids, plan.segments, num_computed
     if skip_reading:
         plan.saves = list(refs)  # it computes them exactly: they are stored as usual
@@ -53,7 +52,7 @@ def plan_reuse(
     if annotation.keep and len(tokens) >= HEAD:
         plan.keep = turns.keep(namespace, tokens, refs)
     ratio = plan.options[0] if plan.options[0] is not None else recompute_ratio
-    plan.end = blend_end(len(tokens), plan.loads, ratio, plan.keep is not None or cascade)
+    plan.end = blend_end(len(tokens), plan.loads, ratio, plan.keep is not None)
     end = len(tokens) - VLLM_TAIL if plan.end is None else plan.end
     return end - num_computed_tokens
 
@@ -68,11 +67,10 @@ def blend_end(num_tokens: int, loads: list[SegmentRef], ratio: float, whole: boo
     what stock's prefill does. The blend covers the whole prompt when ``ratio`` is 1.0 (its rows
     in one batch are bit-equal to stock's full prefill; vLLM's continuation rows round apart)
     and when ``whole`` says so: a request that keeps its turn (the record is read right after the
-    load's forward, which must then have computed every prompt token), and every request of an
-    engine with cascade decode on — its serving run at 0.9 requests/s (cascade decode and
-    shared memory, the rest of a prompt chunked over several steps under load) lost its server
-    with the blend stopping early, not before; until that is understood it blends whole prompts.
-    """
+    load's forward, which must then have computed every prompt token). Under load vLLM may
+    prefill the rest in chunks over later steps: the load step's blocks then end before the
+    prompt does (`LoadRequest.slots`), and a cascade plan takes the rest's at its first decode
+    step (`DecodePlan.complete`)."""
     last = max(ref.end for ref in loads)
     if ratio >= 1.0 or whole or last >= num_tokens - VLLM_TAIL:
         return None

@@ -164,7 +164,6 @@ class SchedulerSide:
             self.segments,
             self.config.round_lifetime,
             self.config.recompute_ratio,
-            self.config.cascade_decode,
         )
         if matched and self.privatizer is not None:
             self.privatizer.privatize(request, num_computed_tokens)

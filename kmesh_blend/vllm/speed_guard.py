@@ -12,6 +12,11 @@ each on the cascade path and on vLLM's own kernel over the same requests' whole 
 - a reader alone slower: in a step where a master has one reader, that reader is served by
   vLLM's kernel (unless its blocks went back to vLLM's pool: only the cascade path can read it).
 
+"Slower" takes two things: the cascade path's fastest run is slower than vLLM's, and it lost
+enough of the paired runs that "the two are the same speed" is unlikely (`sign_needed`, a sign
+test at `SIGN_LEVEL`). Where the kernels are about equal, the fastest runs alone flip between
+engines; there the path is no slower, and the weighing while serving has the last word.
+
 While serving, `SpeedGuard.observe` weighs each cascade step — what the path cost (planning and
 the kernel, `cascade_clock.StepParts`; arming a new reader is paid once for its whole decode and
 not weighed) against what vLLM's kernel would have
@@ -27,14 +32,29 @@ Plain Python: no vLLM import.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["EVIDENCE", "WINDOW", "SpeedGuard", "Timing", "waits_for_blocks"]
+__all__ = ["EVIDENCE", "SIGN_LEVEL", "WINDOW", "SpeedGuard", "Timing", "sign_needed",
+           "waits_for_blocks"]  # fmt: skip
 
 WINDOW = 64  # cascade steps weighed together
 EVIDENCE = 16  # cascade steps before the first weighing
+SIGN_LEVEL = 0.05  # a start-up "slower" must be this unlikely under "the same" (sign test)
+
+
+def sign_needed(runs: int, level: float = SIGN_LEVEL) -> int:
+    """Of ``runs`` paired runs, how many the cascade path must lose for "slower" to stand: the
+    fewest k with P(X ≥ k) ≤ ``level`` for X ~ Binomial(runs, ½) (either path equally likely to
+    lose a run when the two are the same speed); ``runs + 1`` when no k is that unlikely."""
+    tail = 0.0
+    for k in range(runs, -1, -1):
+        tail += math.comb(runs, k) / 2**runs
+        if tail > level:
+            return k + 1
+    return 0
 
 
 def waits_for_blocks(needs: list[int], block_size: int, budget: int, free: int) -> bool:
@@ -58,7 +78,9 @@ class Timing:
     """One attention layer, seconds (the fastest of a few runs): ``family`` readers, each with
     ``context`` rows of which ``rows`` from one master, on the cascade path (``family_s``) and on
     vLLM's kernel (``family_stock_s``); one of them alone likewise (``alone_s``,
-    ``alone_stock_s``)."""
+    ``alone_stock_s``). ``runs`` paired runs (each path once, in turn) gave them; of those, the
+    cascade path took longer in ``family_lost`` and ``alone_lost`` (0 runs: the times alone
+    decide)."""
 
     family: int
     rows: int
@@ -67,6 +89,9 @@ class Timing:
     family_stock_s: float
     alone_s: float
     alone_stock_s: float
+    runs: int = 0
+    family_lost: int = 0
+    alone_lost: int = 0
 
     @property
     def family_ratio(self) -> float:
@@ -75,6 +100,21 @@ class Timing:
     @property
     def alone_ratio(self) -> float:
         return self.alone_s / self.alone_stock_s
+
+    @property
+    def family_slower(self) -> bool:
+        """The family is slower on the cascade path, beyond this machine's noise: its fastest
+        run is, and it lost enough of the paired runs (`sign_needed`) — where the two kernels
+        are about equal, the fastest runs alone flip between engines."""
+        return self.family_ratio > 1.0 and self._sure(self.family_lost)
+
+    @property
+    def alone_slower(self) -> bool:
+        """A reader alone is slower on the cascade path (the same test)."""
+        return self.alone_ratio > 1.0 and self._sure(self.alone_lost)
+
+    def _sure(self, lost: int) -> bool:
+        return self.runs == 0 or lost >= sign_needed(self.runs)
 
     @property
     def stock_row_s(self) -> float:
@@ -86,8 +126,14 @@ class Timing:
             f"{self.family} readers of a {self.rows}-row master: {self.family_s * 1e3:.3f} ms "
             f"vs vLLM's kernel {self.family_stock_s * 1e3:.3f} ms ({self.family_ratio:.2f}x); "
             f"one alone {self.alone_s * 1e3:.3f} ms vs {self.alone_stock_s * 1e3:.3f} ms "
-            f"({self.alone_ratio:.2f}x), per layer"
+            f"({self.alone_ratio:.2f}x), per layer{self._lost()}"
         )
+
+    def _lost(self) -> str:
+        if self.runs == 0:
+            return ""
+        return (f"; cascade slower in {self.family_lost} and {self.alone_lost} of {self.runs} "
+                f"paired runs (slower needs {sign_needed(self.runs)})")  # fmt: skip
 
 
 @dataclass
@@ -111,7 +157,7 @@ class SpeedGuard:
         why the probe could not time it (then the settings are trusted, and the log says so)."""
         if mode == "off" or timing is None:
             return cls(mode, problem=problem)
-        return cls(mode, timing, alone_on_stock=timing.alone_ratio > 1.0)
+        return cls(mode, timing, alone_on_stock=timing.alone_slower)
 
     # --- the decision ---------------------------------------------------------------------------
 
@@ -132,7 +178,7 @@ class SpeedGuard:
             return "untimed"
         if self.memory_short:
             return "memory"
-        if self.timing.family_ratio > 1.0:
+        if self.timing.family_slower:
             return "slower"
         if self.load_ratio is not None and self.load_ratio > 1.0:
             return "load"

@@ -29,12 +29,7 @@ from kmesh_blend.segments.store import open_store
 from kmesh_blend.vllm.cascade_attend import EngineKV, Heads
 from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse
 from kmesh_blend.vllm.cascade_install import install as install_cascade
-from kmesh_blend.vllm.meta import (
-    KMeshMetadata,
-    KMeshWorkerMetadata,
-    LoadRequest,
-    Report,
-)
+from kmesh_blend.vllm.meta import KMeshMetadata, KMeshWorkerMetadata, LoadRequest, Report
 from kmesh_blend.vllm.model import VllmModel, adapt
 from kmesh_blend.vllm.paged import PagedLayout
 from kmesh_blend.vllm.paged_attention import PagedAttention
@@ -218,17 +213,19 @@ class WorkerSide:
             return self.unsupported
         if self.paged is None:
             return "paged KV layout unknown"
+        if (reason := load.unheld(self.block_size)) is not None:
+            return reason
         if self.hooks.fault is not None and (reason := self.hooks.fault(load)) is not None:
             return reason
         return fetch_masters(load, masters, self.cache, self.lifetimes, self.out)
 
     def _blend_and_write(self, ready: list[tuple[LoadRequest, BlendRequest]],
                          masters: Masters) -> None:  # fmt: skip
-        # With vLLM's kernel, each layer's KV goes into the paged cache as the blend runs.
-        hooks = [self.kernel.hook(load.block_ids, load.slots(self.block_size)[: load.blend_len],
-                                  first=load.first)
-                 if self.kernel is not None else None for load, _ in ready]  # fmt: skip
         try:
+            # With vLLM's kernel, each layer's KV goes into the paged cache as the blend runs.
+            bs, kernel = self.block_size, self.kernel
+            hooks = [kernel.hook(load.block_ids, load.slots(bs)[: load.blend_len], first=load.first)
+                     if kernel is not None else None for load, _ in ready]  # fmt: skip
             assert self.model is not None  # a load is ready only when the blend can run
             results = blend_groups(self.model, ready, masters, self.options, hooks)
             for (load, _), result, hook in zip(ready, results, hooks, strict=True):
@@ -260,7 +257,8 @@ class WorkerSide:
             return
         uses = [MasterUse(r.segment_id, r.start, r.end, masters[r.segment_id])
                 for r in load.segments if r.segment_id in masters]  # fmt: skip
-        self.cascade.add(load.req_id, load.block_ids, load.slots(self.block_size), uses, load.first)
+        self.cascade.add(load.req_id, load.block_ids, load.slots(self.block_size), uses, load.first,
+                         len(load.token_ids))  # fmt: skip
 
     def _prompt_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """KV at ``slots`` [n] read back from the paged cache: [L, 2, n, Hkv, D]."""
@@ -276,6 +274,8 @@ class WorkerSide:
     def _restore_turn(self, load: LoadRequest) -> None:
         assert load.turn is not None
         reason = "paged KV layout unknown" if self.paged is None else None
+        if reason is None:
+            reason = load.unheld(self.block_size)
         if reason is None and self.hooks.fault is not None:
             reason = self.hooks.fault(load)
         if reason is None and self.paged is not None:

@@ -226,7 +226,7 @@ def test_a_resumed_request_is_loaded_into_its_new_blocks() -> None:
         ([[4, 62]], 64, {}, 62, None),  # only vLLM's own tail left: the whole prompt
         ([[4, 40]], 64, {"recompute_ratio": 1.0}, 62, None),  # exact: one batch, stock's bits
         ([[4, 40]], 64, {"keep": True}, 62, None),  # its turn record needs every prompt token
-        ([[4, 40]], 64, {"cascade": True}, 62, None),  # cascade decode: whole prompts
+        ([[4, 40]], 64, {"cascade": True}, 40, 40),  # cascade decode stops early too
     ],
 )
 def test_the_blend_stops_at_the_last_reused_segment(

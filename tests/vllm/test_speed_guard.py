@@ -19,7 +19,13 @@ from typing import Any
 import pytest
 
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
-from kmesh_blend.vllm.speed_guard import EVIDENCE, SpeedGuard, Timing, waits_for_blocks
+from kmesh_blend.vllm.speed_guard import (
+    EVIDENCE,
+    SpeedGuard,
+    Timing,
+    sign_needed,
+    waits_for_blocks,
+)
 from kmesh_blend.vllm.stats import GAUGES
 from tests.vllm.test_cascade_decode import FP32_LOGPROB_BOUND, MAX_TOKENS, _serve
 
@@ -199,3 +205,23 @@ def test_a_path_that_loses_under_load_is_switched_off_while_serving(
     assert first["cascade_steps"] == MAX_TOKENS["tiny"] - 1, first
     assert all("cascade_steps" not in r and "under this load" in r["cascade_off"] for r in later)
     _same_tokens(on, _serve(path, "float32", "tiny", doc_len, cascade_decode=False))
+
+
+def test_sign_needed_is_the_one_sided_binomial_bound() -> None:
+    assert [sign_needed(n) for n in (3, 4, 5, 11, 21)] == [4, 5, 5, 9, 15]
+    # P(X >= 9 | 11 fair coins) = 67/2048 < 0.05; P(X >= 8) = 232/2048 > 0.05
+    assert sign_needed(11, level=0.12) == 8 and sign_needed(0) == 1
+
+
+@pytest.mark.parametrize(("lost", "slower"), [(11, True), (9, True), (8, False), (3, False)])
+def test_a_start_up_slower_must_beat_the_noise(lost: int, slower: bool) -> None:
+    # the fastest run says 1.2x; whether that stands depends on how many paired runs it lost
+    timing = Timing(8, 1024, 1000, 1.2e-3, 1e-3, 1.5e-3, 1e-3, runs=11, family_lost=lost,
+                    alone_lost=lost)  # fmt: skip
+    guard = SpeedGuard.decide("auto", timing)
+    assert guard.admits is not slower and guard.alone_on_stock is slower
+    assert (guard.state == "slower") is slower and f"{lost} and {lost} of 11" in guard.line()
+    # a fastest run that wins is never "slower", whatever the count
+    wins = Timing(8, 1024, 1000, 0.9e-3, 1e-3, 0.9e-3, 1e-3, runs=11, family_lost=11,
+                  alone_lost=11)  # fmt: skip
+    assert SpeedGuard.decide("auto", wins).admits
