@@ -137,6 +137,15 @@ class CascadeDecode:
         """This step's scheduler signal: a request waited for KV blocks (the speed guard)."""
         self._note(self.guard.note_memory(short))
 
+    def _withdraw(self, reason: str | None) -> None:
+        """The speed guard turned the path off: every reader that still holds its blocks goes
+        to vLLM's kernel from this step on (those whose blocks went back stay: only this path
+        can read them)."""
+        pinned = self.sharing.pinned if self.sharing is not None else {}
+        for req_id in [r for r in self.plans if r not in pinned]:
+            self.drop(req_id)  # (the guard's own log line says why, once)
+            self.reports.setdefault(req_id, {})["cascade_off"] = reason
+
     def _note(self, line: str | None) -> None:
         if line is not None:
             log.info("%s", line)
@@ -166,6 +175,8 @@ class CascadeDecode:
         if self._meta is None or stamp[0] is not self._meta[0] or stamp[1] != self._meta[1]:
             if self._parts is not None:  # the last cascade step, finished: weighed
                 self._note(self.guard.observe(self._parts, len(self.layers)))
+                if not self.guard.admits:
+                    self._withdraw(self.guard.reason)
             self._meta, self._step, self._parts = stamp, None, None
             # paused: only readers whose blocks went back still need the path
             if self.plans and self.broken is None and (not self.paused or self.num_pinned):

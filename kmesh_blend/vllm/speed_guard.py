@@ -26,7 +26,11 @@ it is not used for new readers and sharing gives no more blocks back; but where 
 for KV blocks (`note_memory`: the scheduler saw a request whose blocks the pool could not hold,
 within the window), memory is the bottleneck and both stay: the blocks sharing gives back admit
 them. The decision and its figures go to one log line each time it changes, the ``/metrics``
-gauges (`gauges`) and, for a reader it keeps out, its report. ``off`` trusts the settings.
+gauges (`gauges`) and, for a reader it keeps out, its report. When it turns the path off, readers
+already in cascade that still hold their blocks go to vLLM's kernel too; and blocks go back
+(``share_kv_memory``) only once the path is shown to pay under the load, or requests wait for
+blocks (`gives_back`), since a reader without its blocks can never leave the path.
+``off`` trusts the settings.
 Plain Python: no vLLM import.
 """
 
@@ -183,6 +187,22 @@ class SpeedGuard:
         if self.load_ratio is not None and self.load_ratio > 1.0:
             return "load"
         return "pays"
+
+    @property
+    def gives_back(self) -> str | None:
+        """Why ``share_kv_memory`` may not give a new reader's blocks back now (None: it may).
+        A reader whose blocks went back can only be read by the cascade path, so blocks go
+        back only where the path is known to pay under this load (`EVIDENCE` steps weighed)
+        or requests wait for blocks; before that its blocks stay and it can still leave."""
+        if self.timing is None or self.memory_short:
+            return None
+        if (reason := self.reason) is not None:
+            return reason
+        if self.load_ratio is None:
+            return (f"speed guard: blocks go back once cascade decode is shown to pay under this "
+                    f"load ({len(self._window)} of {EVIDENCE} steps weighed) or requests wait "
+                    "for KV blocks")  # fmt: skip
+        return None
 
     @property
     def reason(self) -> str | None:

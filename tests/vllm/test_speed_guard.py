@@ -200,9 +200,11 @@ def test_a_path_that_loses_under_load_is_switched_off_while_serving(
     assert not guard.admits and guard.load_ratio > 1.0 and "under this load" in guard.reason
     assert installed[0].gauges()["cascade_guard_load_permille"] > 1000
     assert sum("under this load" in line for line in lines.lines) == 1, lines.lines
-    # the family of 1 decodes first, in cascade, and is weighed; the families after it are out
+    # the family of 1 decodes first, in cascade, and is weighed: once the weighing turns the
+    # path off it leaves for vLLM's kernel (it holds its blocks); the families after it are out
     first, later = on[0][2], [r for _, _, r in on[1:-1]]
-    assert first["cascade_steps"] == MAX_TOKENS["tiny"] - 1, first
+    assert first["cascade_steps"] == EVIDENCE < MAX_TOKENS["tiny"] - 1, first
+    assert "under this load" in first["cascade_off"], first
     assert all("cascade_steps" not in r and "under this load" in r["cascade_off"] for r in later)
     _same_tokens(on, _serve(path, "float32", "tiny", doc_len, cascade_decode=False))
 
@@ -225,3 +227,42 @@ def test_a_start_up_slower_must_beat_the_noise(lost: int, slower: bool) -> None:
     wins = Timing(8, 1024, 1000, 0.9e-3, 1e-3, 0.9e-3, 1e-3, runs=11, family_lost=11,
                   alone_lost=11)  # fmt: skip
     assert SpeedGuard.decide("auto", wins).admits
+
+
+def test_blocks_go_back_only_where_the_path_is_shown_to_pay_or_memory_is_short() -> None:
+    guard = SpeedGuard.decide("auto", _timing(0.5, 0.5))  # vLLM: 1 ms / (8 × 1000 rows), layer
+    assert guard.admits and "0 of 16 steps weighed" in (guard.gives_back or "")
+    assert guard.note_memory(True) is not None and guard.gives_back is None  # requests wait
+    guard.note_memory(False)
+    for _ in range(200):  # the window forgets the wait; cheap steps: the path pays
+        guard.note_memory(False)
+        guard.observe(_step(1.0, 8000), layers=2)
+    assert guard.state == "pays" and guard.gives_back is None
+    for _ in range(200):  # dear steps: off, and no block goes back
+        guard.observe(_step(3.0, 8000), layers=2)
+    assert not guard.admits and "under this load" in (guard.gives_back or "")
+    assert SpeedGuard.decide("off", None).gives_back is None  # off trusts the settings
+
+
+def test_readers_whose_blocks_went_back_stay_when_the_path_is_switched_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kmesh_blend.vllm.cascade_install as cascade_install
+    from kmesh_blend.cpu import cpu_kernel_expected
+
+    if not cpu_kernel_expected():
+        pytest.skip("blocks go back only on the CPU kernel")
+    timing = Timing(8, 1024, 1089, 1e-9, 2e-9, 1e-9, 2e-9)  # loses under load, as above
+    monkeypatch.setattr(cascade_install, "probe", lambda *args: timing)
+    # blocks go back from the first reader on (as where requests wait for blocks)
+    monkeypatch.setattr(SpeedGuard, "gives_back", property(lambda self: None))
+    installed = _installed(monkeypatch)
+    path, doc_len = build_checkpoint(TINY_LLAMA), 300
+    on = _serve(path, "float32", "tiny", doc_len, cascade_decode=True, share_kv_memory=True,
+                speed_guard="auto")  # fmt: skip
+    monkeypatch.undo()
+    assert not installed[0].guard.admits
+    first = on[0][2]  # its blocks went back: only the cascade path can read it, to the end
+    assert first["released_blocks"] > 0 and first["cascade_steps"] == MAX_TOKENS["tiny"] - 1
+    assert "cascade_off" not in first, first
+    _same_tokens(on, _serve(path, "float32", "tiny", doc_len, cascade_decode=False))
