@@ -144,10 +144,12 @@ class KMeshConfig:
     """With ``cascade_decode``: ``auto`` times the cascade path against vLLM's own attention
     kernel at engine start on this engine's shapes (a family reading one master, one reader
     alone), then weighs every cascade step's cost against vLLM's kernel for the same requests
-    while serving; where cascade costs more, new readers decode on vLLM's kernel and
-    ``share_kv_memory`` gives no more blocks back — unless requests wait for KV blocks, where
-    sharing stays; where one reader alone is slower, a master's only reader of a step is read on
-    vLLM's kernel (`kmesh_blend/vllm/speed_guard.py`; each decision, with its figures, in one log
+    while serving (start-up "slower" only beyond noise: a sign test over paired runs); where
+    cascade costs more, readers that hold their blocks decode on vLLM's kernel, and
+    ``share_kv_memory`` gives blocks back only where the path is shown to pay or requests wait
+    for KV blocks (there, sharing stays); where one reader alone is slower, a master's only
+    reader of a step is read on vLLM's kernel (`kmesh_blend/vllm/speed_guard.py`; each decision,
+    with its figures, in one log
     line, the reports and ``/metrics``). ``off`` trusts the settings (tests and benchmarks of the
     raw path)."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
