@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import kmesh_blend.vllm.scheduler_reuse as scheduler_reuse
 from tests.bitexact.vllm_matrix import (
     FULL,
     GROUPS,
@@ -123,11 +122,9 @@ def test_cascade_decode_keeps_every_layout(store_specs: dict[str, str], model: s
     """Cascade decode on, every layout (one document read twice, adjacent or apart, included):
     the same tokens as the reference (cascade off), log-probabilities within
     `CASCADE_LOGPROB_BOUND`, the same prompt KV bit for bit, every decode step in cascade."""
-    # Both without drift correction: the engine turns it off under cascade decode. Both blend
-    # whole prompts, as an engine with cascade decode does (`scheduler_reuse.blend_end`).
-    with monkeypatch.context() as patch:
-        patch.setattr(scheduler_reuse, "blend_end", lambda *args: None)
-        ref = _run(store_specs, model, dtype, "cpu", "layer_sync", drift="off")
+    # Both without drift correction: the engine turns it off under cascade decode. Both stop
+    # the blend where an engine does (`scheduler_reuse.blend_end`), cascade decode or not.
+    ref = _run(store_specs, model, dtype, "cpu", "layer_sync", drift="off")
     got = _run(store_specs, model, dtype, "cpu", "layer_sync", cascade=True, drift="off")
     bad = {}
     for key, want in ref.items():
