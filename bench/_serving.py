@@ -324,3 +324,17 @@ def within(result: dict[str, Any], ttft_s: float, tpot_s: float) -> float:
         tpot = (latency - ttft) / (out - 1) if out > 1 else 0.0
         good += not error and ttft <= ttft_s and tpot <= tpot_s
     return good / len(result["ttfts"])
+
+
+def guard_decision(guard: Any) -> dict[str, Any]:
+    """A cascade engine's speed guard (`SpeedGuard`) as a result records it: its state, log line,
+    ``/metrics`` gauges and the start-up figures (none with ``off``)."""
+    out: dict[str, Any] = {"state": guard.state, "admits": guard.admits, "line": guard.line(),
+                           "gauges": guard.gauges()}  # fmt: skip
+    timing = guard.timing
+    if timing is not None:
+        out.update(family_ratio=round(timing.family_ratio, 3),
+                   alone_ratio=round(timing.alone_ratio, 3), runs=timing.runs,
+                   family_lost=timing.family_lost, alone_lost=timing.alone_lost,
+                   load_ratio=guard.load_ratio)  # fmt: skip
+    return out

@@ -51,7 +51,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, use_allocator
-from _serving import attn_isa
+from _serving import attn_isa, guard_decision
 from follow_up_ttft import smollm2_prompts
 
 from kmesh_blend.testing.engine import kv_transfer_config, live_worker, make_llm
@@ -150,8 +150,7 @@ def main() -> None:
                     reports.append({**report, "bench_engine": name})
                 cascade = live_worker().cascade
                 if kmesh and cascade is not None:
-                    guard.update(state=cascade.guard.state, line=cascade.guard.line(),
-                                 gauges=cascade.guard.gauges())  # fmt: skip
+                    guard.update(guard_decision(cascade.guard))
             print(f"  {engines[name]}", file=sys.stderr, flush=True)
         finally:
             del llm

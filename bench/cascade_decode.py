@@ -48,7 +48,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, plot_bars, use_allocator
-from _serving import BLOCK_SIZE, attn_isa
+from _serving import BLOCK_SIZE, attn_isa, guard_decision
 from follow_up_ttft import smollm2_prompts
 
 from kmesh_blend.testing import SMOLLM2
@@ -137,7 +137,7 @@ def main() -> None:
                 steps[label] += durations
                 per_round.setdefault(label, []).append(statistics.median(durations))
         pause(False)
-        guard.update(_guard(cascade.guard))
+        guard.update(guard_decision(cascade.guard))
         del llm
         gc.collect()
 
@@ -212,19 +212,6 @@ def main() -> None:
             },
         }
     )
-
-
-def _guard(guard: Any) -> dict[str, Any]:
-    """The speed guard's decision after the rounds (`SpeedGuard`): its state, log line and
-    start-up figures (none with ``off``)."""
-    timing = guard.timing
-    out: dict[str, Any] = {"state": guard.state, "admits": guard.admits, "line": guard.line()}
-    if timing is not None:
-        out.update(family_ratio=round(timing.family_ratio, 3),
-                   alone_ratio=round(timing.alone_ratio, 3), runs=timing.runs,
-                   family_lost=timing.family_lost, alone_lost=timing.alone_lost,
-                   load_ratio=guard.load_ratio)  # fmt: skip
-    return out
 
 
 def _run(
