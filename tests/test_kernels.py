@@ -131,6 +131,23 @@ def test_paged_scatter_gather_exact(layout: str, dtype: torch.dtype, n: int) -> 
     assert torch.equal(other, torch.zeros_like(other))
 
 
+@pytest.mark.parametrize("layout", ["nhd", "hnd", "cpu_k_transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_plain_torch_gather_reads_what_the_reference_reads(layout: str, dtype: torch.dtype) -> None:
+    bs, blocks = 16, 5
+    cache = _layouts(blocks, 3, bs, 32, dtype)[layout]
+    cache.copy_(torch.randn(cache.shape, generator=GEN).to(dtype))
+    last = blocks * bs - 1
+    for slots in (torch.randperm(blocks * bs, generator=GEN)[:57], torch.arange(19, 67),
+                  torch.tensor([last, 0]), torch.zeros(0, dtype=torch.int64)):  # fmt: skip
+        want = gather_paged(cache, slots, bs, backend="torch")  # the reference
+        assert torch.equal(gather_paged(cache, slots, bs), want)
+    # a view into a larger tensor (K and V of one cache): offsets stay the view's own
+    both = torch.randn(2, blocks, 3, bs, 32, generator=GEN).to(dtype)
+    slots = torch.randperm(blocks * bs, generator=GEN)[:40]
+    assert torch.equal(gather_paged(both[1], slots, bs), gather_paged(both[1], slots, bs, "torch"))
+
+
 def test_launchers_validate_inputs() -> None:
     k = _keys(4, 2, 64, torch.float32)
     inv = RotaryEmbedding(ROPES["default"]).inv_freq

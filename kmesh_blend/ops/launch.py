@@ -9,6 +9,8 @@ otherwise.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kmesh_blend.ops import reference, selfcheck  # noqa: F401 (selfcheck registers the checks)
@@ -93,7 +95,24 @@ def gather_paged(
     _check_paged(rows, cache, slots, block_size)
     if use_triton(backend, cache, "gather_paged_kernel"):
         return _gather_triton(cache, slots, block_size, rows)
-    return reference.gather_paged_reference(cache, slots, block_size)
+    if backend == "torch":
+        return reference.gather_paged_reference(cache, slots, block_size)
+    return _gather_rows(cache, slots, block_size)
+
+
+def _gather_rows(cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`gather_paged` in plain torch: one ``index_select`` of [n·Hkv] rows over a 2-D view of
+    the cache's storage (each row at a multiple of the strides' gcd). The reference's
+    advanced index over (block, offset) costs ≈ 6× more on the CPU (a decode plan's arming
+    reads every layer's reused rows: 30 layers × 1,300 rows 51 ms → 8 ms, one core)."""
+    blocks, heads, bs, d = cache.shape
+    s0, s1, s2, s3 = cache.stride()
+    g = math.gcd(s0, s1, s2) or 1
+    last = ((blocks - 1) * s0 + (heads - 1) * s1 + (bs - 1) * s2) // g
+    flat = cache.as_strided((last + 1, d), (g, s3))
+    at = ((slots // bs) * (s0 // g) + (slots % bs) * (s2 // g))[:, None]
+    at = at + torch.arange(heads, device=slots.device)[None, :] * (s1 // g)
+    return flat.index_select(0, at.reshape(-1)).view(slots.shape[0], heads, d)
 
 
 # --- Triton launches (arguments already validated; scripts/gpu_check.py also times them alone) ---

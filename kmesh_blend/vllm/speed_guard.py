@@ -21,7 +21,8 @@ While serving, `SpeedGuard.observe` weighs each cascade step — what the path c
 the kernel, `cascade_clock.StepParts`; arming a new reader is paid once for its whole decode and
 not weighed) against what vLLM's kernel would have
 cost for the same requests (the start-up timing per context row, times their context rows and
-layers) — over the last `WINDOW` cascade steps, from `EVIDENCE` on. Where the path costs more,
+layers) — over the last `WINDOW` cascade steps, from `EVIDENCE` on (sooner where it lost every
+step weighed, `SpeedGuard._surely_slower`: the same sign test). Where the path costs more,
 it is not used for new readers and sharing gives no more blocks back; but where requests wait
 for KV blocks (`note_memory`: the scheduler saw a request whose blocks the pool could not hold,
 within the window), memory is the bottleneck and both stay: the blocks sharing gives back admit
@@ -233,10 +234,18 @@ class SpeedGuard:
         # arming a reader is paid once and buys its whole decode: not weighed per step (a
         # family's first step would otherwise carry all its arms)
         self._window.append((parts.plan_s - parts.arm_s + parts.cascade_s, estimate))
-        if len(self._window) >= EVIDENCE:
+        if len(self._window) >= EVIDENCE or self._surely_slower():
             measured, estimated = self._sums()
             self.load_ratio = measured / estimated if estimated > 0 else None
         return self._changed(before)
+
+    def _surely_slower(self) -> bool:
+        """Before `EVIDENCE` steps: the path cost more than vLLM's estimate in so many of the
+        steps weighed that "the same cost" is unlikely (`sign_needed`: from 5 steps, every one
+        lost). A path that loses every step is switched off after 5 instead of 16 — the steps
+        a loaded server pays for the evidence; turning it on still takes `EVIDENCE`."""
+        lost = sum(m > e for m, e in self._window)
+        return lost >= sign_needed(len(self._window)) and self._sums()[0] > self._sums()[1]
 
     def note_memory(self, short: bool) -> str | None:
         """This step's scheduler signal (a request waited for blocks); the new log line when the

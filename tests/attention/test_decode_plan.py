@@ -81,6 +81,23 @@ def test_rows_that_equal_the_master_are_shared_the_rest_are_own() -> None:
         assert plan.shared_rows == round((10 + 8 + 9) / 3)
 
 
+def test_keys_within_one_rounding_are_shared_keys_beyond_it_are_own() -> None:
+    # The blend may round a re-positioned key differently from the check: such a row is still
+    # the master's; a key moved further (its value kept) is the request's own.
+    for dtype in (torch.float32, torch.bfloat16):
+        plan, caches, (layout, rope, _) = _request(dtype, {})
+        step = 1e-6 if dtype == torch.float32 else 4e-3  # relative: under one rounding's tolerance
+        for row, factor in ((2, 1 + step), (4, 1.3), (6, 1 - step)):
+            slot = plan.slots[5 + row : 6 + row]
+            k, v = layout.read(caches[1], slot)
+            nudged = (k.float() * factor).to(dtype)
+            assert not torch.equal(nudged, k)
+            layout.write(caches[1], nudged, v, slot)
+        assert plan.arm(layout, caches, rope) is None
+        assert (~plan.shared[0][1]).nonzero().flatten().tolist() == [4]
+        assert plan.shared[0][0].all() and plan.shared[0][2].all()
+
+
 def test_a_request_that_replaced_every_row_is_not_armed() -> None:
     plan, caches, (layout, rope, _) = _request(
         torch.float32, {i: list(range(10)) for i in range(3)}
