@@ -148,10 +148,11 @@ class KMeshConfig:
     cascade costs more, readers that hold their blocks decode on vLLM's kernel, and
     ``share_kv_memory`` gives blocks back only where the path is shown to pay or requests wait
     for KV blocks (there, sharing stays); where one reader alone is slower, a master's only
-    reader of a step is read on vLLM's kernel (`kmesh_blend/vllm/speed_guard.py`; each decision,
-    with its figures, in one log
-    line, the reports and ``/metrics``). ``off`` trusts the settings (tests and benchmarks of the
-    raw path)."""
+    reader of a step is read on vLLM's kernel; a reader whose tokens left (``max_tokens``) cannot
+    repay arming it (verifying its rows, timed at start) stays on vLLM's kernel unless requests
+    wait for blocks (`kmesh_blend/vllm/speed_guard.py`; each decision, with its figures, in one
+    log line, the reports and ``/metrics``). ``off`` trusts the settings (tests and benchmarks of
+    the raw path)."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

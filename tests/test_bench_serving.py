@@ -201,6 +201,12 @@ def test_quick_run_through_real_servers_and_vllms_client() -> None:
                 assert load > 1000, where
             elif engine == "kmesh_share":  # admitting: blocks go back only once the path is
                 # shown to pay under the load or requests wait for blocks (`gives_back`)
+                repaid = server["cascade_guard_break_even_steps"]
+                if (repaid < 0 or repaid > config["output_tokens"]) and not server[
+                        "released_blocks"]:  # fmt: skip
+                    # no reader decodes long enough to repay its arming: none is armed (where
+                    # requests waited for blocks, readers were armed and gave blocks back)
+                    assert server["cascade_steps"] == 0, where
                 if not load:
                     assert server["released_blocks"] == 0 or server[
                         "cascade_guard_memory_short"], where  # fmt: skip

@@ -100,10 +100,12 @@ class CascadeDecode:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def add(self, req_id: str, block_ids: list[int], slots: torch.Tensor, uses: list[MasterUse],
-            first: int = 0, prompt_len: int | None = None) -> None:  # fmt: skip
+            first: int = 0, prompt_len: int | None = None,
+            max_tokens: int | None = None) -> None:  # fmt: skip
         """A request blended this step (``slots`` [T'] int64: the slots of the prompt tokens its
         blocks hold so far, of ``prompt_len`` (None: T'); the blend wrote tokens ``first``.. of
-        them); its plan is completed and armed at its first decode step."""
+        them; it generates at most ``max_tokens``); its plan is completed and armed at its first
+        decode step."""
         self.drop(req_id)
         if self.broken is not None:
             self.reports[req_id] = {"cascade_off": f"cascade decode failed: {self.broken}"}
@@ -111,7 +113,7 @@ class CascadeDecode:
             self.reports[req_id] = {"cascade_off": self.guard.reason}
         elif uses:
             self.plans[req_id] = DecodePlan(req_id, list(block_ids), slots, uses, first,
-                                            prompt_len)  # fmt: skip
+                                            prompt_len, max_tokens)  # fmt: skip
             self.reports[req_id] = {"cascade_steps": 0}
 
     def drop(self, req_id: str, reason: str | None = None) -> None:

@@ -60,6 +60,10 @@ def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torc
             continue
         if not plan.armed:
             plan.complete(batch.block_table[i], d.layout.block_size)
+            if (why := d.guard.keeps_out(plan.steps_left(seq_lens[i]))) is not None:
+                d.drop(req_id)  # one log line says the rule (the guard's), its report says why
+                d.reports.setdefault(req_id, {})["cascade_off"] = why
+                continue
             if not arm_reader(d, req_id, plan):
                 continue
         chosen.append((i, plan))

@@ -76,6 +76,7 @@ class DecodePlan:
     uses: list[MasterUse]
     first: int = 0  # the first prompt token the blend wrote (earlier ones: vLLM's prefix cache)
     prompt_len: int | None = None  # its prompt tokens (None: as many as ``slots``)
+    max_tokens: int | None = None  # the most tokens it generates (None: unknown)
     armed: bool = False
     steps: int = 0
     shared_rows: int = 0  # prompt rows read from masters, averaged over layers
@@ -96,6 +97,11 @@ class DecodePlan:
         ids = block_row[: -(-self.num_tokens // block_size)].to(torch.int64)
         self.block_ids, self.blocks = ids.tolist(), ids
         self.slots = slot_mapping(self.block_ids, block_size, 0, self.num_tokens)
+
+    def steps_left(self, seq_len: int) -> int | None:
+        """Decode steps left, this one included, at a step over ``seq_len`` tokens (its prompt
+        and what it generated so far): at most ``max_tokens`` less those (None: unknown)."""
+        return None if self.max_tokens is None else self.max_tokens - (seq_len - self.num_tokens)
 
     def holds(self, block_row: torch.Tensor) -> bool:
         """Whether a batch's block-table row [max_blocks] starts with this request's blocks."""

@@ -100,6 +100,7 @@ class LoadRequest:
     sink_tokens: int | None = None  # the request's own setting (None: the engine's)
     drift_correction: str | None = None  # the request's own setting (None: the engine's)
     end: int | None = None  # the blend stops here; vLLM computes the rest (None: whole prompt)
+    max_tokens: int | None = None  # the most tokens it generates (its sampling parameters)
     _slots: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

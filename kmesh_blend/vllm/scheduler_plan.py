@@ -46,4 +46,5 @@ class Plan:
             turn_len=turn_len, keep=self.keep, family=self.family,
             recompute_ratio=self.options[0], sink_tokens=self.options[1],
             drift_correction=self.options[2], end=self.end,
+            max_tokens=getattr(self.request, "max_tokens", None),
         )  # fmt: skip

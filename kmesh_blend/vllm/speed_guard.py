@@ -17,9 +17,14 @@ enough of the paired runs that "the two are the same speed" is unlikely (`sign_n
 test at `SIGN_LEVEL`). Where the kernels are about equal, the fastest runs alone flip between
 engines; there the path is no slower, and the weighing while serving has the last word.
 
+Arming a reader (verifying its rows against the masters) is paid once, before its first cascade
+step; the probe times it too (`Timing.arm_s`), and a new reader whose tokens left cannot repay it
+at the family's gain per step (`Timing.break_even`) is not armed (`SpeedGuard.keeps_out`; it
+decodes on vLLM's kernel with its blocks) unless requests wait for blocks.
+
 While serving, `SpeedGuard.observe` weighs each cascade step — what the path cost (planning and
-the kernel, `cascade_clock.StepParts`; arming a new reader is paid once for its whole decode and
-not weighed) against what vLLM's kernel would have
+the kernel, `cascade_clock.StepParts`; arming, weighed before it is paid, is left out) against
+what vLLM's kernel would have
 cost for the same requests (the start-up timing per context row, times their context rows and
 layers) — over the last `WINDOW` cascade steps, from `EVIDENCE` on (sooner where it lost every
 step weighed, `SpeedGuard._surely_slower`: the same sign test). Where the path costs more,
@@ -42,24 +47,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kmesh_blend.vllm.cascade_timing import SIGN_LEVEL, Timing, sign_needed
+
 __all__ = ["EVIDENCE", "SIGN_LEVEL", "WINDOW", "SpeedGuard", "Timing", "sign_needed",
            "waits_for_blocks"]  # fmt: skip
 
 WINDOW = 64  # cascade steps weighed together
 EVIDENCE = 16  # cascade steps before the first weighing
-SIGN_LEVEL = 0.05  # a start-up "slower" must be this unlikely under "the same" (sign test)
-
-
-def sign_needed(runs: int, level: float = SIGN_LEVEL) -> int:
-    """Of ``runs`` paired runs, how many the cascade path must lose for "slower" to stand: the
-    fewest k with P(X ≥ k) ≤ ``level`` for X ~ Binomial(runs, ½) (either path equally likely to
-    lose a run when the two are the same speed); ``runs + 1`` when no k is that unlikely."""
-    tail = 0.0
-    for k in range(runs, -1, -1):
-        tail += math.comb(runs, k) / 2**runs
-        if tail > level:
-            return k + 1
-    return 0
 
 
 def waits_for_blocks(needs: list[int], block_size: int, budget: int, free: int) -> bool:
@@ -76,69 +70,6 @@ class Parts(Protocol):
     arm_s: float
     cascade_s: float
     context_rows: int
-
-
-@dataclass(frozen=True)
-class Timing:
-    """One attention layer, seconds (the fastest of a few runs): ``family`` readers, each with
-    ``context`` rows of which ``rows`` from one master, on the cascade path (``family_s``) and on
-    vLLM's kernel (``family_stock_s``); one of them alone likewise (``alone_s``,
-    ``alone_stock_s``). ``runs`` paired runs (each path once, in turn) gave them; of those, the
-    cascade path took longer in ``family_lost`` and ``alone_lost`` (0 runs: the times alone
-    decide)."""
-
-    family: int
-    rows: int
-    context: int
-    family_s: float
-    family_stock_s: float
-    alone_s: float
-    alone_stock_s: float
-    runs: int = 0
-    family_lost: int = 0
-    alone_lost: int = 0
-
-    @property
-    def family_ratio(self) -> float:
-        return self.family_s / self.family_stock_s
-
-    @property
-    def alone_ratio(self) -> float:
-        return self.alone_s / self.alone_stock_s
-
-    @property
-    def family_slower(self) -> bool:
-        """The family is slower on the cascade path, beyond this machine's noise: its fastest
-        run is, and it lost enough of the paired runs (`sign_needed`) — where the two kernels
-        are about equal, the fastest runs alone flip between engines."""
-        return self.family_ratio > 1.0 and self._sure(self.family_lost)
-
-    @property
-    def alone_slower(self) -> bool:
-        """A reader alone is slower on the cascade path (the same test)."""
-        return self.alone_ratio > 1.0 and self._sure(self.alone_lost)
-
-    def _sure(self, lost: int) -> bool:
-        return self.runs == 0 or lost >= sign_needed(self.runs)
-
-    @property
-    def stock_row_s(self) -> float:
-        """vLLM's kernel, seconds per context row of a decoding request, per layer."""
-        return self.family_stock_s / (self.family * self.context)
-
-    def describe(self) -> str:
-        return (
-            f"{self.family} readers of a {self.rows}-row master: {self.family_s * 1e3:.3f} ms "
-            f"vs vLLM's kernel {self.family_stock_s * 1e3:.3f} ms ({self.family_ratio:.2f}x); "
-            f"one alone {self.alone_s * 1e3:.3f} ms vs {self.alone_stock_s * 1e3:.3f} ms "
-            f"({self.alone_ratio:.2f}x), per layer{self._lost()}"
-        )
-
-    def _lost(self) -> str:
-        if self.runs == 0:
-            return ""
-        return (f"; cascade slower in {self.family_lost} and {self.alone_lost} of {self.runs} "
-                f"paired runs (slower needs {sign_needed(self.runs)})")  # fmt: skip
 
 
 @dataclass
@@ -224,6 +155,21 @@ class SpeedGuard:
             )
         return None
 
+    def keeps_out(self, steps_left: int | None) -> str | None:
+        """Why a new reader with ``steps_left`` decode steps at most (None: unknown) is not
+        armed (None: arm it): its steps would not repay the arming (`Timing.break_even`), and no
+        request waits for blocks (where one does, the blocks it gives back are the payoff)."""
+        timing = self.timing
+        if timing is None or steps_left is None or self.memory_short:
+            return None
+        steps = timing.break_even
+        if steps is None or steps_left >= steps:
+            return None
+        repaid = "never repaid" if math.isinf(steps) else f"repaid after {steps:.0f} decode steps"
+        return (f"speed guard: arming a reader ({timing.arm_s * 1e3:.3f} ms per layer) is "
+                f"{repaid} in a family of {timing.family}; this request decodes at most "
+                f"{steps_left} more and no request waits for KV blocks")  # fmt: skip
+
     def observe(self, parts: Parts, layers: int) -> str | None:
         """Weigh one finished cascade step of ``layers`` layers; the new log line when the
         decision changed."""
@@ -289,4 +235,10 @@ class SpeedGuard:
             "cascade_guard_alone_permille": round(timing.alone_ratio * 1000) if timing else 0,
             "cascade_guard_load_permille": round(load * 1000) if load is not None else 0,
             "cascade_guard_memory_short": int(self.memory_short),
+            "cascade_guard_break_even_steps": _steps(timing.break_even if timing else None),
         }
+
+
+def _steps(steps: float | None) -> int:
+    """A break-even for a gauge: 0 not timed, -1 never."""
+    return 0 if steps is None else -1 if math.isinf(steps) else round(steps)

@@ -70,6 +70,8 @@ GAUGES: dict[str, str] = {
     "vLLM's kernel would cost for the same requests, x1000 (0: not weighed yet)",
     "cascade_guard_memory_short": "1 while requests recently waited for KV blocks (sharing then "
     "stays whatever cascade costs)",
+    "cascade_guard_break_even_steps": "Start-up timing: decode steps in which a family's reader "
+    "repays its arming (-1: never; 0: not timed); readers with fewer left stay on vLLM's kernel",
 }
 
 # name → (help text, label names)

@@ -258,7 +258,7 @@ class WorkerSide:
         uses = [MasterUse(r.segment_id, r.start, r.end, masters[r.segment_id])
                 for r in load.segments if r.segment_id in masters]  # fmt: skip
         self.cascade.add(load.req_id, load.block_ids, load.slots(self.block_size), uses, load.first,
-                         len(load.token_ids))  # fmt: skip
+                         len(load.token_ids), load.max_tokens)  # fmt: skip
 
     def _prompt_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """KV at ``slots`` [n] read back from the paged cache: [L, 2, n, Hkv, D]."""

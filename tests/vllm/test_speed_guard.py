@@ -44,7 +44,8 @@ def test_a_family_slower_than_vllm_keeps_new_readers_out() -> None:
     assert guard.gauges() == {"cascade_guard_admits": 0, "cascade_guard_family_permille": 1200,
                               "cascade_guard_alone_permille": 2000,
                               "cascade_guard_load_permille": 0,
-                              "cascade_guard_memory_short": 0}  # fmt: skip
+                              "cascade_guard_memory_short": 0,
+                              "cascade_guard_break_even_steps": 0}  # fmt: skip
     assert "new readers decode on vLLM's kernel" in guard.line()
     # where requests wait for KV blocks, memory is the bottleneck: readers (and sharing) stay
     assert guard.note_memory(True) is not None and guard.admits and guard.memory_short
@@ -94,6 +95,23 @@ def test_a_path_that_loses_only_some_steps_is_weighed_after_the_evidence() -> No
     lines = [guard.observe(_step(ms, 8000), layers=2) for ms in costs[:EVIDENCE]]
     assert lines[:-1] == [None] * (EVIDENCE - 1) and guard.load_ratio == pytest.approx(1.225)
     assert not guard.admits and "under this load" in (lines[-1] or "")
+
+
+def test_a_reader_too_short_to_repay_its_arming_is_not_armed() -> None:
+    # the family gains (1 - 0.8) ms / 8 readers a step; arming one costs 0.5 ms: 20 steps
+    timing = Timing(8, 1024, 1000, 0.8e-3, 1e-3, 1e-3, 1e-3, arm_s=0.5e-3)
+    guard = SpeedGuard.decide("auto", timing)
+    assert timing.break_even == pytest.approx(20) and guard.admits
+    assert "repaid after 20 decode steps" in (guard.keeps_out(19) or "")
+    assert guard.keeps_out(21) is None and guard.keeps_out(None) is None  # unknown: armed
+    assert guard.gauges()["cascade_guard_break_even_steps"] == 20
+    assert "repaid after 20 decode steps" in guard.line()
+    guard.note_memory(True)  # requests wait for blocks: what sharing gives back is the payoff
+    assert guard.keeps_out(1) is None
+    never = SpeedGuard.decide("auto", Timing(8, 1024, 1000, 1e-3, 1e-3, 1e-3, 1e-3, arm_s=1e-4))
+    assert "never repaid" in (never.keeps_out(10**6) or "")
+    assert never.gauges()["cascade_guard_break_even_steps"] == -1
+    assert SpeedGuard.decide("auto", _timing(0.5, 0.5)).keeps_out(1) is None  # arming untimed
 
 
 def test_a_request_waits_for_blocks_only_where_the_pool_cannot_hold_its_next_chunk() -> None:
@@ -187,6 +205,28 @@ def test_a_cascade_path_that_wins_is_kept(monkeypatch: pytest.MonkeyPatch) -> No
     assert installed[0].gauges()["cascade_guard_admits"] == 1
     for _, _, report in on[:-1]:
         assert report["cascade_steps"] == MAX_TOKENS["tiny"] - 1, report
+    _same_tokens(on, _serve(path, "float32", "tiny", doc_len, cascade_decode=False))
+
+
+def test_readers_whose_decode_cannot_repay_arming_stay_on_vllm_s_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kmesh_blend.vllm.cascade_install as cascade_install
+
+    # the family wins per step, but arming a reader costs 8,000 of its gains: never repaid here
+    timing = Timing(8, 1024, 1089, 1e-3, 2e-3, 1e-3, 2e-3, arm_s=1.0)
+    monkeypatch.setattr(cascade_install, "probe", lambda *args: timing)
+    installed = _installed(monkeypatch)
+    path, doc_len = build_checkpoint(TINY_LLAMA), 300
+    on = _serve(path, "float32", "tiny", doc_len, cascade_decode=True, share_kv_memory=True,
+                speed_guard="auto")  # fmt: skip
+    monkeypatch.undo()
+    guard = installed[0].guard
+    assert guard.admits and installed[0].gauges()["cascade_guard_break_even_steps"] == 8000
+    for _, _, report in on[:-1]:
+        assert "released_blocks" not in report and report.get("cascade_steps", 0) == 0, report
+        assert "repaid after 8000 decode steps" in report["cascade_off"], report
+        assert f"at most {MAX_TOKENS['tiny'] - 1} more" in report["cascade_off"], report
     _same_tokens(on, _serve(path, "float32", "tiny", doc_len, cascade_decode=False))
 
 

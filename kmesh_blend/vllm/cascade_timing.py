@@ -1,0 +1,104 @@
+"""What the start-up probe measured (`kmesh_blend.vllm.cascade_probe`), and the sign test that
+says when a difference is beyond this machine's noise. Read by `kmesh_blend.vllm.speed_guard`.
+Plain Python: no vLLM import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["SIGN_LEVEL", "Timing", "sign_needed"]
+
+SIGN_LEVEL = 0.05  # a "slower" must be this unlikely under "the same" (sign test)
+
+
+def sign_needed(runs: int, level: float = SIGN_LEVEL) -> int:
+    """Of ``runs`` paired runs, how many the cascade path must lose for "slower" to stand: the
+    fewest k with P(X ≥ k) ≤ ``level`` for X ~ Binomial(runs, ½) (either path equally likely to
+    lose a run when the two are the same speed); ``runs + 1`` when no k is that unlikely."""
+    tail = 0.0
+    for k in range(runs, -1, -1):
+        tail += math.comb(runs, k) / 2**runs
+        if tail > level:
+            return k + 1
+    return 0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One attention layer, seconds (the fastest of a few runs): ``family`` readers, each with
+    ``context`` rows of which ``rows`` from one master, on the cascade path (``family_s``) and on
+    vLLM's kernel (``family_stock_s``); one of them alone likewise (``alone_s``,
+    ``alone_stock_s``). ``runs`` paired runs (each path once, in turn) gave them; of those, the
+    cascade path took longer in ``family_lost`` and ``alone_lost`` (0 runs: the times alone
+    decide)."""
+
+    family: int
+    rows: int
+    context: int
+    family_s: float
+    family_stock_s: float
+    alone_s: float
+    alone_stock_s: float
+    runs: int = 0
+    family_lost: int = 0
+    alone_lost: int = 0
+    arm_s: float = 0.0  # arming one of the family's readers (verifying its rows), per layer
+
+    @property
+    def break_even(self) -> float | None:
+        """Decode steps in which a reader of the family repays its arming (``inf``: the family
+        gains nothing per step; None: arming not timed)."""
+        if self.arm_s <= 0:
+            return None
+        gain = (self.family_stock_s - self.family_s) / self.family  # per reader, step, layer
+        return self.arm_s / gain if gain > 0 else math.inf
+
+    @property
+    def family_ratio(self) -> float:
+        return self.family_s / self.family_stock_s
+
+    @property
+    def alone_ratio(self) -> float:
+        return self.alone_s / self.alone_stock_s
+
+    @property
+    def family_slower(self) -> bool:
+        """The family is slower on the cascade path, beyond this machine's noise: its fastest
+        run is, and it lost enough of the paired runs (`sign_needed`) — where the two kernels
+        are about equal, the fastest runs alone flip between engines."""
+        return self.family_ratio > 1.0 and self._sure(self.family_lost)
+
+    @property
+    def alone_slower(self) -> bool:
+        """A reader alone is slower on the cascade path (the same test)."""
+        return self.alone_ratio > 1.0 and self._sure(self.alone_lost)
+
+    def _sure(self, lost: int) -> bool:
+        return self.runs == 0 or lost >= sign_needed(self.runs)
+
+    @property
+    def stock_row_s(self) -> float:
+        """vLLM's kernel, seconds per context row of a decoding request, per layer."""
+        return self.family_stock_s / (self.family * self.context)
+
+    def describe(self) -> str:
+        return (
+            f"{self.family} readers of a {self.rows}-row master: {self.family_s * 1e3:.3f} ms "
+            f"vs vLLM's kernel {self.family_stock_s * 1e3:.3f} ms ({self.family_ratio:.2f}x); "
+            f"one alone {self.alone_s * 1e3:.3f} ms vs {self.alone_stock_s * 1e3:.3f} ms "
+            f"({self.alone_ratio:.2f}x), per layer{self._lost()}{self._arming()}"
+        )
+
+    def _arming(self) -> str:
+        if (steps := self.break_even) is None:
+            return ""
+        repaid = "never" if math.isinf(steps) else f"after {steps:.0f} decode steps"
+        return f"; arming a reader {self.arm_s * 1e3:.3f} ms per layer, repaid {repaid}"
+
+    def _lost(self) -> str:
+        if self.runs == 0:
+            return ""
+        return (f"; cascade slower in {self.family_lost} and {self.alone_lost} of {self.runs} "
+                f"paired runs (slower needs {sign_needed(self.runs)})")  # fmt: skip
