@@ -106,9 +106,11 @@ def write_readme_table() -> None:
         r = json.loads(path.read_text())
         mode = "quick" if r.get("quick") else "full"
         goal = "—" if r.get("goal") is None else r["goal"]
+        # None: the run could not form the ratio (e.g. a serving run without its baseline engine)
+        value = "—" if r["value"] is None else f"{r['value']:.3g} {r.get('unit', '')}"
         rows.append(
-            f"| {r['name']} | {r['metric']} | {r['value']:.3g} {r.get('unit', '')} "
-            f"| {goal} | {r.get('baseline', '—')} | {mode} |"
+            f"| {r['name']} | {r['metric']} | {value} | {goal} | {r.get('baseline', '—')} "
+            f"| {mode} |"
         )
     if len(rows) == 2:
         rows.append("| — | not measured yet | — | — | — | — |")
