@@ -91,11 +91,17 @@ class Timing:
             f"({self.alone_ratio:.2f}x), per layer{self._lost()}{self._arming()}"
         )
 
-    def _arming(self) -> str:
+    @property
+    def repaid(self) -> str | None:
+        """`break_even` in words (None: arming not timed)."""
         if (steps := self.break_even) is None:
+            return None
+        return "never repaid" if math.isinf(steps) else f"repaid after {steps:.0f} decode steps"
+
+    def _arming(self) -> str:
+        if (repaid := self.repaid) is None:
             return ""
-        repaid = "never" if math.isinf(steps) else f"after {steps:.0f} decode steps"
-        return f"; arming a reader {self.arm_s * 1e3:.3f} ms per layer, repaid {repaid}"
+        return f"; arming a reader {self.arm_s * 1e3:.3f} ms per layer, {repaid}"
 
     def _lost(self) -> str:
         if self.runs == 0:

@@ -165,9 +165,8 @@ class SpeedGuard:
         steps = timing.break_even
         if steps is None or steps_left >= steps:
             return None
-        repaid = "never repaid" if math.isinf(steps) else f"repaid after {steps:.0f} decode steps"
         return (f"speed guard: arming a reader ({timing.arm_s * 1e3:.3f} ms per layer) is "
-                f"{repaid} in a family of {timing.family}; this request decodes at most "
+                f"{timing.repaid} in a family of {timing.family}; this request decodes at most "
                 f"{steps_left} more and no request waits for KV blocks")  # fmt: skip
 
     def observe(self, parts: Parts, layers: int) -> str | None:
@@ -177,7 +176,7 @@ class SpeedGuard:
             return None
         before = self.state
         estimate = self.timing.stock_row_s * parts.context_rows * layers
-        # arming a reader is paid once and buys its whole decode: not weighed per step (a
+        # arming is weighed once per reader, before it is paid (`keeps_out`): not per step (a
         # family's first step would otherwise carry all its arms)
         self._window.append((parts.plan_s - parts.arm_s + parts.cascade_s, estimate))
         if len(self._window) >= EVIDENCE or self._surely_slower():
@@ -191,7 +190,8 @@ class SpeedGuard:
         lost). A path that loses every step is switched off after 5 instead of 16 — the steps
         a loaded server pays for the evidence; turning it on still takes `EVIDENCE`."""
         lost = sum(m > e for m, e in self._window)
-        return lost >= sign_needed(len(self._window)) and self._sums()[0] > self._sums()[1]
+        measured, estimated = self._sums()
+        return lost >= sign_needed(len(self._window)) and measured > estimated
 
     def note_memory(self, short: bool) -> str | None:
         """This step's scheduler signal (a request waited for blocks); the new log line when the
