@@ -244,6 +244,8 @@ COUNTERS = (
     ("cascade_guard_alone_permille", "vllm:kmesh_cascade_guard_alone_permille", {}),
     ("cascade_guard_load_permille", "vllm:kmesh_cascade_guard_load_permille", {}),
     ("cascade_guard_memory_short", "vllm:kmesh_cascade_guard_memory_short", {}),
+    ("cascade_guard_freed_permille", "vllm:kmesh_cascade_guard_freed_permille", {}),
+    ("cascade_guard_added_permille", "vllm:kmesh_cascade_guard_added_permille", {}),
     ("cascade_guard_break_even_steps", "vllm:kmesh_cascade_guard_break_even_steps", {}),
     ("released_blocks", "vllm:kmesh_released_blocks_total", {}),
     ("kmesh_preemptions", "vllm:kmesh_preemptions_total", {}),

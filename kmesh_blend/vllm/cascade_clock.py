@@ -34,6 +34,7 @@ class StepParts:
     context_rows: int = 0  # the cascade requests' context rows, summed (what vLLM would read)
     cascade_s: float = 0.0
     others_s: float = 0.0
+    opened: float = 0.0  # clock reading when the step's plan began (its wall time from there)
 
 
 class StepClock:
@@ -48,7 +49,8 @@ class StepClock:
     def open(self, cascade: int, others: int, plan_s: float, arm_s: float = 0.0,
              context_rows: int = 0) -> StepParts:  # fmt: skip
         self.serial += 1
-        parts = StepParts(self.serial, cascade, others, plan_s, arm_s, context_rows)
+        parts = StepParts(self.serial, cascade, others, plan_s, arm_s, context_rows,
+                          opened=self.now() - plan_s)  # fmt: skip
         self.steps.append(parts)
         return parts
 

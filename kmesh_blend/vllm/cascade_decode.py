@@ -171,12 +171,16 @@ class CascadeDecode:
         output: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of layer ``index``; ``stock()`` runs vLLM's own forward of this call."""
+        if not self.plans and self._parts is None:  # nothing to plan, nothing left to weigh
+            return stock()
         # The same metadata object serves every layer of a step; its total length grows every
         # step, so a backend that reused the object would still be noticed.
         stamp = (batch.key, int(batch.seq_lens.sum()))
         if self._meta is None or stamp[0] is not self._meta[0] or stamp[1] != self._meta[1]:
             if self._parts is not None:  # the last cascade step, finished: weighed
-                self._note(self.guard.observe(self._parts, len(self.layers)))
+                period = self.clock.now() - self._parts.opened
+                self._note(self.guard.observe(self._parts, len(self.layers), period,
+                                              self.freed))  # fmt: skip
                 if not self.guard.admits:
                     self._withdraw(self.guard.reason)
             self._meta, self._step, self._parts = stamp, None, None
@@ -230,6 +234,12 @@ class CascadeDecode:
         mirrors = self.sharing.mirror_bytes if self.sharing is not None else 0
         return {"shared_master_bytes": self.master_bytes, "mirror_bytes": mirrors,
                 **self.guard.gauges()}  # fmt: skip
+
+    @property
+    def freed(self) -> float:
+        """Blocks live readers gave back, a share of the engine's pool (the speed guard)."""
+        back = sum(len(p.release.block_ids) for p in self.plans.values() if p.release is not None)
+        return back / max(1, self.layout.views(self.caches[0])[0].shape[0])
 
     @property
     def num_pinned(self) -> int:

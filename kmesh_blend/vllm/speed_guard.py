@@ -30,8 +30,11 @@ layers) — over the last `WINDOW` cascade steps, from `EVIDENCE` on (sooner whe
 step weighed, `SpeedGuard._surely_slower`: the same sign test). Where the path costs more,
 it is not used for new readers and sharing gives no more blocks back; but where requests wait
 for KV blocks (`note_memory`: the scheduler saw a request whose blocks the pool could not hold,
-within the window), memory is the bottleneck and both stay: the blocks sharing gives back admit
-them. The decision and its figures go to one log line each time it changes, the ``/metrics``
+within the window), memory is the bottleneck, and both stay while what the blocks buy outweighs
+what the path costs (`SpeedGuard.memory_pays`): with the pool full, requests in flight grow at
+most with the share of vLLM's pool given back (``freed``), and each step's time with the share
+the path adds to it (its cost over vLLM's estimate, and arming, over the steps' wall time).
+The decision and its figures go to one log line each time it changes, the ``/metrics``
 gauges (`gauges`) and, for a reader it keeps out, its report. When it turns the path off, readers
 already in cascade that still hold their blocks go to vLLM's kernel too; and blocks go back
 (``share_kv_memory``) only once the path is shown to pay under the load, or requests wait for
@@ -45,7 +48,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kmesh_blend.vllm.cascade_timing import SIGN_LEVEL, Timing, sign_needed
 
@@ -72,6 +75,17 @@ class Parts(Protocol):
     context_rows: int
 
 
+class Weighed(NamedTuple):
+    """One weighed cascade step, seconds: ``cost`` the path (planning and kernel, no arming),
+    ``estimate`` vLLM's kernel on the same requests, ``arm`` arming its new readers, ``period``
+    the step's wall time (0: unknown)."""
+
+    cost: float
+    estimate: float
+    arm: float = 0.0
+    period: float = 0.0
+
+
 @dataclass
 class SpeedGuard:
     """``admits``: new readers decode in cascade (and sharing gives blocks back);
@@ -84,7 +98,8 @@ class SpeedGuard:
     problem: str | None = None
     alone_on_stock: bool = False
     load_ratio: float | None = None  # cascade cost / vLLM's estimate over the window
-    _window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    freed: float = 0.0  # blocks given back and still away, a share of vLLM's pool
+    _window: deque[Weighed] = field(default_factory=lambda: deque(maxlen=WINDOW))
     _short: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     @classmethod
@@ -104,16 +119,37 @@ class SpeedGuard:
 
     @property
     def admits(self) -> bool:
-        return self.state not in ("slower", "load")
+        return self.state not in ("slower", "load", "costly")
+
+    @property
+    def added(self) -> float | None:
+        """The share of the weighed steps' wall time the path added over vLLM's kernel, arming
+        included (None: not weighed yet, or their wall time unknown)."""
+        period = sum(w.period for w in self._window)
+        if self.load_ratio is None or period <= 0:
+            return None
+        return sum(w.cost - w.estimate + w.arm for w in self._window) / period
+
+    @property
+    def memory_pays(self) -> bool:
+        """Requests wait for blocks, and what sharing gives back buys more than the path costs:
+        with the pool full, the requests in flight grow at most by ``freed`` (their share of the
+        pool, an upper bound: a longer batch also takes longer) and every step's time by `added`
+        — so sharing keeps its place while ``freed`` ≥ `added` (unweighed yet: it stays)."""
+        added = self.added
+        return self.memory_short and (added is None or self.freed >= added)
 
     @property
     def state(self) -> str:
-        """Which rule decides now: ``untimed``, ``memory`` (requests wait for blocks), ``slower``
-        (the start-up timing), ``load`` (the weighed steps) or ``pays``."""
+        """Which rule decides now: ``untimed``, ``memory`` (requests wait for blocks and what
+        sharing gives back outweighs the path's cost), ``costly`` (they wait, and it does not),
+        ``slower`` (the start-up timing), ``load`` (the weighed steps) or ``pays``."""
         if self.timing is None:
             return "untimed"
-        if self.memory_short:
+        if self.memory_pays:
             return "memory"
+        if self.memory_short:
+            return "costly"
         if self.timing.family_slower:
             return "slower"
         if self.load_ratio is not None and self.load_ratio > 1.0:
@@ -126,7 +162,7 @@ class SpeedGuard:
         A reader whose blocks went back can only be read by the cascade path, so blocks go
         back only where the path is known to pay under this load (`EVIDENCE` steps weighed)
         or requests wait for blocks; before that its blocks stay and it can still leave."""
-        if self.timing is None or self.memory_short:
+        if self.timing is None or self.memory_pays:
             return None
         if (reason := self.reason) is not None:
             return reason
@@ -139,28 +175,29 @@ class SpeedGuard:
     @property
     def reason(self) -> str | None:
         state = self.state
-        if state not in ("slower", "load"):
+        if state not in ("slower", "load", "costly"):
             return None
         assert self.timing is not None
         if state == "slower":
             return (f"speed guard: cascade decode is slower than vLLM's kernel here "
                     f"({self.timing.describe()})")  # fmt: skip
-        if self.load_ratio is not None:
-            measured, estimated = (t * 1e3 / len(self._window) for t in self._sums())
-            return (
-                f"speed guard: under this load a cascade step costs {self.load_ratio:.2f}x what "
+        assert self.load_ratio is not None
+        measured, estimated = (t * 1e3 / len(self._window) for t in self._sums())
+        load = (f"speed guard: under this load a cascade step costs {self.load_ratio:.2f}x what "
                 f"vLLM's kernel would for the same requests (mean of the last {len(self._window)} "
-                f"steps: {measured:.2f} ms vs {estimated:.2f} ms) and no request waits for KV "
-                "blocks"
-            )
-        return None
+                f"steps: {measured:.2f} ms vs {estimated:.2f} ms)")  # fmt: skip
+        if state == "load":
+            return f"{load} and no request waits for KV blocks"
+        return (f"{load}; requests wait for KV blocks, but the path adds {self.added:.1%} to "
+                f"each step's time and the blocks sharing gave back are {self.freed:.1%} of "
+                "vLLM's pool")  # fmt: skip
 
     def keeps_out(self, steps_left: int | None) -> str | None:
         """Why a new reader with ``steps_left`` decode steps at most (None: unknown) is not
         armed (None: arm it): its steps would not repay the arming (`Timing.break_even`), and no
         request waits for blocks (where one does, the blocks it gives back are the payoff)."""
         timing = self.timing
-        if timing is None or steps_left is None or self.memory_short:
+        if timing is None or steps_left is None or self.memory_pays:
             return None
         steps = timing.break_even
         if steps is None or steps_left >= steps:
@@ -169,16 +206,21 @@ class SpeedGuard:
                 f"{timing.repaid} in a family of {timing.family}; this request decodes at most "
                 f"{steps_left} more and no request waits for KV blocks")  # fmt: skip
 
-    def observe(self, parts: Parts, layers: int) -> str | None:
-        """Weigh one finished cascade step of ``layers`` layers; the new log line when the
-        decision changed."""
+    def observe(self, parts: Parts, layers: int, period_s: float = 0.0,
+                freed: float = 0.0) -> str | None:  # fmt: skip
+        """Weigh one finished cascade step of ``layers`` layers, ``period_s`` its wall time (0:
+        unknown), ``freed`` the blocks given back and still away after it, a share of vLLM's
+        pool; the new log line when the decision changed."""
         if self.timing is None:
             return None
         before = self.state
+        self.freed = freed
         estimate = self.timing.stock_row_s * parts.context_rows * layers
-        # arming is weighed once per reader, before it is paid (`keeps_out`): not per step (a
-        # family's first step would otherwise carry all its arms)
-        self._window.append((parts.plan_s - parts.arm_s + parts.cascade_s, estimate))
+        # arming is weighed once per reader, before it is paid (`keeps_out`): not in the load
+        # ratio (a family's first step would otherwise carry all its arms); against memory it is
+        # part of the price of the blocks
+        cost = parts.plan_s - parts.arm_s + parts.cascade_s
+        self._window.append(Weighed(cost, estimate, parts.arm_s, period_s))
         if len(self._window) >= EVIDENCE or self._surely_slower():
             measured, estimated = self._sums()
             self.load_ratio = measured / estimated if estimated > 0 else None
@@ -189,7 +231,7 @@ class SpeedGuard:
         steps weighed that "the same cost" is unlikely (`sign_needed`: from 5 steps, every one
         lost). A path that loses every step is switched off after 5 instead of 16 — the steps
         a loaded server pays for the evidence; turning it on still takes `EVIDENCE`."""
-        lost = sum(m > e for m, e in self._window)
+        lost = sum(w.cost > w.estimate for w in self._window)
         measured, estimated = self._sums()
         return lost >= sign_needed(len(self._window)) and measured > estimated
 
@@ -204,7 +246,7 @@ class SpeedGuard:
 
     def _sums(self) -> tuple[float, float]:
         """(cascade seconds, vLLM's estimated seconds) over the window."""
-        return sum(m for m, _ in self._window), sum(e for _, e in self._window)
+        return sum(w.cost for w in self._window), sum(w.estimate for w in self._window)
 
     def _changed(self, before: str) -> str | None:
         return None if self.state == before else self.line()
@@ -219,7 +261,7 @@ class SpeedGuard:
         if self.reason is not None:
             return f"kmesh: {self.reason}; new readers decode on vLLM's kernel with their blocks"
         alone = "on vLLM's kernel" if self.alone_on_stock else "in cascade"
-        why = "requests wait for KV blocks: sharing stays" if self.memory_short else "it pays here"
+        why = "requests wait for KV blocks: sharing stays" if self.memory_pays else "it pays here"
         load = f"; under load {self.load_ratio:.2f}x" if self.load_ratio is not None else ""
         return (
             f"kmesh: speed guard: cascade decode on, {why} ({self.timing.describe()}{load}); "
@@ -233,8 +275,10 @@ class SpeedGuard:
             "cascade_guard_admits": int(self.admits),
             "cascade_guard_family_permille": round(timing.family_ratio * 1000) if timing else 0,
             "cascade_guard_alone_permille": round(timing.alone_ratio * 1000) if timing else 0,
-            "cascade_guard_load_permille": round(load * 1000) if load is not None else 0,
+            "cascade_guard_load_permille": _permille(load),
             "cascade_guard_memory_short": int(self.memory_short),
+            "cascade_guard_freed_permille": round(self.freed * 1000),
+            "cascade_guard_added_permille": _permille(self.added),
             "cascade_guard_break_even_steps": _steps(timing.break_even if timing else None),
         }
 
@@ -242,3 +286,8 @@ class SpeedGuard:
 def _steps(steps: float | None) -> int:
     """A break-even for a gauge: 0 not timed, -1 never."""
     return 0 if steps is None else -1 if math.isinf(steps) else round(steps)
+
+
+def _permille(ratio: float | None) -> int:
+    """A ratio for a gauge: 0 when not weighed."""
+    return 0 if ratio is None else round(ratio * 1000)

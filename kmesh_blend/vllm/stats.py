@@ -69,7 +69,11 @@ GAUGES: dict[str, str] = {
     "cascade_guard_load_permille": "Cascade steps under the current load, their cost / what "
     "vLLM's kernel would cost for the same requests, x1000 (0: not weighed yet)",
     "cascade_guard_memory_short": "1 while requests recently waited for KV blocks (sharing then "
-    "stays whatever cascade costs)",
+    "stays while the blocks it gave back outweigh what cascade adds to a step)",
+    "cascade_guard_freed_permille": "KV blocks live readers gave back, a share of vLLM's pool, "
+    "x1000",
+    "cascade_guard_added_permille": "Share of the weighed steps' wall time the cascade path added "
+    "over vLLM's kernel, arming included, x1000 (0: not weighed yet)",
     "cascade_guard_break_even_steps": "Start-up timing: decode steps in which a family's reader "
     "repays its arming (-1: never; 0: not timed); readers with fewer left stay on vLLM's kernel",
 }

@@ -45,6 +45,8 @@ def test_a_family_slower_than_vllm_keeps_new_readers_out() -> None:
                               "cascade_guard_alone_permille": 2000,
                               "cascade_guard_load_permille": 0,
                               "cascade_guard_memory_short": 0,
+                              "cascade_guard_freed_permille": 0,
+                              "cascade_guard_added_permille": 0,
                               "cascade_guard_break_even_steps": 0}  # fmt: skip
     assert "new readers decode on vLLM's kernel" in guard.line()
     # where requests wait for KV blocks, memory is the bottleneck: readers (and sharing) stay
@@ -87,6 +89,37 @@ def test_a_path_that_costs_more_under_load_is_switched_off_unless_memory_is_shor
         guard.note_memory(False)
         guard.observe(_step(1.0, 8000), layers=2)
     assert guard.admits and guard.load_ratio == pytest.approx(0.5)
+
+
+def test_where_requests_wait_for_blocks_sharing_stays_while_the_blocks_outweigh_its_cost() -> None:
+    # vLLM's kernel: 2 ms a step for these requests; the path 3 ms, steps of 20 ms wall time:
+    # it adds 1 ms / 20 ms = 5 % to each step
+    def weigh(freed: float, arm_ms: float = 0.0) -> SpeedGuard:
+        guard = SpeedGuard.decide("auto", _timing(0.5, 0.5))
+        guard.note_memory(True)
+        step = _step(3.0, 8000)
+        step.arm_s = step.plan_s = arm_ms * 1e-3
+        for _ in range(EVIDENCE):
+            guard.observe(step, layers=2, period_s=20e-3, freed=freed)
+        return guard
+
+    pays = weigh(freed=0.10)  # a tenth of the pool given back: more requests in flight
+    assert pays.state == "memory" and pays.admits and pays.gives_back is None
+    assert pays.added == pytest.approx(0.05) and pays.keeps_out(1) is None
+    assert "requests wait for KV blocks: sharing stays" in pays.line()
+    costly = weigh(freed=0.02)  # 2 % of the pool does not buy 5 % of every step
+    assert costly.state == "costly" and not costly.admits and costly.memory_short
+    assert "adds 5.0% to each step's time" in (costly.reason or "")
+    assert "2.0% of vLLM's pool" in (costly.reason or "") and costly.gives_back == costly.reason
+    gauges = costly.gauges()
+    assert gauges["cascade_guard_added_permille"] == 50
+    assert gauges["cascade_guard_freed_permille"] == 20 and gauges["cascade_guard_admits"] == 0
+    # arming is part of the blocks' price: 2 ms of it a step makes 15 %
+    assert weigh(freed=0.10, arm_ms=2.0).state == "costly"
+    # before any step is weighed (or with no wall time) the wait decides, as before
+    unweighed = SpeedGuard.decide("auto", _timing(1.2, 1.2))
+    unweighed.note_memory(True)
+    assert unweighed.state == "memory" and unweighed.added is None
 
 
 def test_a_path_that_loses_only_some_steps_is_weighed_after_the_evidence() -> None:
