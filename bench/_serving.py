@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -161,6 +162,10 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None:
             stop(self._proc, grace_s=30)
+        keep = os.environ.get("KMESH_BENCH_SERVER_LOGS")  # a folder: server logs kept there
+        if keep and self.log.exists():
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy(self.log, Path(keep) / f"{self.log.stem}-{time.time():.0f}.log")
         if exc and exc[0] is not None and self.log.exists():
             # The log lives in the run's temporary folder: what the server said before a failed
             # run goes to stderr while it still exists.
@@ -246,6 +251,7 @@ COUNTERS = (
     ("cascade_guard_memory_short", "vllm:kmesh_cascade_guard_memory_short", {}),
     ("cascade_guard_freed_permille", "vllm:kmesh_cascade_guard_freed_permille", {}),
     ("cascade_guard_added_permille", "vllm:kmesh_cascade_guard_added_permille", {}),
+    ("cascade_guard_bought_permille", "vllm:kmesh_cascade_guard_bought_permille", {}),
     ("cascade_guard_break_even_steps", "vllm:kmesh_cascade_guard_break_even_steps", {}),
     ("released_blocks", "vllm:kmesh_released_blocks_total", {}),
     ("kmesh_preemptions", "vllm:kmesh_preemptions_total", {}),

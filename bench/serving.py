@@ -33,6 +33,7 @@ Each run's client result and server counters are kept in ``bench/results/serving
 every engine gets a KV budget of N blocks (``--num-gpu-blocks-override``), the
 result is ``serving_kvN``. ``--write-workload F``: only write the JSONL (docs/load.md runs the
 client on it by hand). Results name the CPU and vLLM's attention kernel (``config.attn_isa``).
+``KMESH_BENCH_SERVER_LOGS=DIR`` keeps each server's log in DIR (the speed guard's lines).
 
 Run: python bench/serving.py [--quick] [--rates 0.1,0.2] [--engines stock,kmesh]
 """

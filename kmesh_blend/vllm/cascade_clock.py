@@ -34,7 +34,8 @@ class StepParts:
     context_rows: int = 0  # the cascade requests' context rows, summed (what vLLM would read)
     cascade_s: float = 0.0
     others_s: float = 0.0
-    opened: float = 0.0  # clock reading when the step's plan began (its wall time from there)
+    opened: float = 0.0  # clock reading when the step's plan began
+    period_s: float = 0.0  # from then to the end of the step's forward (0: not ended yet)
 
 
 class StepClock:

@@ -86,6 +86,7 @@ class CascadeDecode:
         self._parts: StepParts | None = None
         self.step_arm_s = 0.0  # of this step's plan: arming new readers (once per request)
         self.step_context_rows = 0  # of this step's cascade requests
+        self._began: tuple[int, float] | None = None  # (tokens, clock) of the step under way
 
     def share(self, world_size: int, cap: int) -> None:
         """Give back readers' segment blocks from now on (``kmesh.share_kv_memory``), their
@@ -135,9 +136,22 @@ class CascadeDecode:
                         del self.masters[use.key]
         self.composition = None
 
-    def note_memory(self, short: bool) -> None:
-        """This step's scheduler signal: a request waited for KV blocks (the speed guard)."""
+    def note_memory(self, short: bool, tokens: int = 0) -> None:
+        """A step begins (before its loads and forward), with the scheduler's signals for the
+        speed guard: a request waited for KV blocks; the step computes ``tokens`` tokens."""
+        self._began = (tokens, self.clock.now())
         self._note(self.guard.note_memory(short))
+
+    def step_done(self) -> None:
+        """The step's forward ended: its time (the guard's fit of step time against tokens) and
+        that of its cascade part (from planning on)."""
+        now = self.clock.now()
+        if self._began is not None:
+            tokens, began = self._began
+            self._note(self.guard.note_step(tokens, now - began))
+            self._began = None
+        if self._parts is not None and not self._parts.period_s:
+            self._parts.period_s = now - self._parts.opened
 
     def _withdraw(self, reason: str | None) -> None:
         """The speed guard turned the path off: every reader that still holds its blocks goes
@@ -178,9 +192,7 @@ class CascadeDecode:
         stamp = (batch.key, int(batch.seq_lens.sum()))
         if self._meta is None or stamp[0] is not self._meta[0] or stamp[1] != self._meta[1]:
             if self._parts is not None:  # the last cascade step, finished: weighed
-                period = self.clock.now() - self._parts.opened
-                self._note(self.guard.observe(self._parts, len(self.layers), period,
-                                              self.freed))  # fmt: skip
+                self._note(self.guard.observe(self._parts, len(self.layers), self.freed))
                 if not self.guard.admits:
                     self._withdraw(self.guard.reason)
             self._meta, self._step, self._parts = stamp, None, None
@@ -237,8 +249,9 @@ class CascadeDecode:
 
     @property
     def freed(self) -> float:
-        """Blocks live readers gave back, a share of the engine's pool (the speed guard)."""
-        back = sum(len(p.release.block_ids) for p in self.plans.values() if p.release is not None)
+        """Blocks the armed readers gave back or would give back (where sharing may), a share of
+        the engine's pool (the speed guard)."""
+        back = sum(p.releasable for p in self.plans.values() if p.armed)
         return back / max(1, self.layout.views(self.caches[0])[0].shape[0])
 
     @property

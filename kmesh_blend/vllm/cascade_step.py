@@ -112,6 +112,8 @@ def arm_reader(d: CascadeDecode, req_id: str, plan: DecodePlan) -> bool:
                 use.master, d.caches[0].dtype, tiled=d.kernel is not None
             )
         d.masters[use.key].users += 1
+    if d.sharing is not None:
+        plan.releasable = d.sharing.releasable(plan, d.layout.block_size)
     if d.sharing is not None and (why := d.guard.gives_back) is not None:
         d.reports.setdefault(req_id, {})["kv_share_off"] = why
     elif d.sharing is not None:

@@ -1,5 +1,6 @@
 """What the start-up probe measured (`kmesh_blend.vllm.cascade_probe`), and the sign test that
-says when a difference is beyond this machine's noise. Read by `kmesh_blend.vllm.speed_guard`.
+says when a difference is beyond this machine's noise; what the guard weighs of each cascade step
+(`Weighed`). Read by `kmesh_blend.vllm.speed_guard`.
 Plain Python: no vLLM import.
 """
 
@@ -7,8 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
-__all__ = ["SIGN_LEVEL", "Timing", "sign_needed"]
+__all__ = ["SIGN_LEVEL", "Timing", "Weighed", "sign_needed"]
 
 SIGN_LEVEL = 0.05  # a "slower" must be this unlikely under "the same" (sign test)
 
@@ -108,3 +110,14 @@ class Timing:
             return ""
         return (f"; cascade slower in {self.family_lost} and {self.alone_lost} of {self.runs} "
                 f"paired runs (slower needs {sign_needed(self.runs)})")  # fmt: skip
+
+
+class Weighed(NamedTuple):
+    """One weighed cascade step, seconds: ``cost`` the path (planning and kernel, no arming),
+    ``estimate`` vLLM's kernel on the same requests, ``arm`` arming its new readers, ``period``
+    the step's wall time (0: unknown)."""
+
+    cost: float
+    estimate: float
+    arm: float = 0.0
+    period: float = 0.0

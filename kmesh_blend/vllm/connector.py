@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kmesh_blend.config import KMeshConfig
+from kmesh_blend.vllm.memory_value import waits_for_blocks
 from kmesh_blend.vllm.meta import KMeshMetadata
 from kmesh_blend.vllm.prom import KMeshPromMetrics, KMeshStats
 from kmesh_blend.vllm.scheduler_side import SchedulerSide
@@ -52,7 +53,6 @@ from kmesh_blend.vllm.seam.blocks import (
 )
 from kmesh_blend.vllm.seam.engine import attention_layers, recompute_failed_loads, tp_shard
 from kmesh_blend.vllm.seam.runners import batch_order, loaded_model
-from kmesh_blend.vllm.speed_guard import waits_for_blocks
 from kmesh_blend.vllm.startup import engine_namespace, prefix_privatizer, shared_store_lookup
 from kmesh_blend.vllm.stats import Payload
 from kmesh_blend.vllm.worker_side import WorkerSide
@@ -138,6 +138,7 @@ class KMeshConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         meta = self.scheduler.build_meta(step_requests(scheduler_output))
+        meta.scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         if self._asked and self.kv_manager is not None:  # (admitted ones left at their alloc)
             free = free_blocks(self.kv_manager)
             needs = list(self._asked.values())
@@ -177,7 +178,7 @@ class KMeshConnector(KVConnectorBase_V1):
         if self.worker is None or not isinstance(meta, KMeshMetadata):
             return
         if self.worker.cascade is not None:
-            self.worker.cascade.note_memory(meta.memory_short)
+            self.worker.cascade.note_memory(meta.memory_short, meta.scheduled_tokens)
         if meta.loads or meta.rounds or meta.closes:
             self.worker.load(meta)
 
@@ -190,6 +191,8 @@ class KMeshConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
+        if self.worker is not None and self.worker.cascade is not None:
+            self.worker.cascade.step_done()
         if (
             self.worker is not None
             and isinstance(meta, KMeshMetadata)

@@ -83,6 +83,7 @@ class DecodePlan:
     shared: list[torch.Tensor] = field(default_factory=list)
     own_slots: list[torch.Tensor] = field(default_factory=list)
     release: Release | None = None  # its segment blocks went back to vLLM's pool: cascade only
+    releasable: int = 0  # blocks sharing could give back (set when armed, sharing on)
 
     def __post_init__(self) -> None:
         self.blocks = torch.tensor(self.block_ids, dtype=torch.int64)

@@ -112,9 +112,7 @@ class Sharing:
         (``mirror_bytes``, bytes) when it did, (``kv_share_off``, why not) when not."""
         if self.off is not None:
             return "kv_share_off", self.off
-        ranges = [(use.start, use.end) for use in plan.uses]
-        indices = releasable_blocks(ranges, plan.first, plan.num_tokens, block_size,
-                                    len(plan.block_ids))  # fmt: skip
+        indices = _releasable(plan, block_size)
         if not indices:
             return "kv_share_off", "no block of its prompt holds only rows of reused segments"
         ids = [plan.block_ids[i] for i in indices]
@@ -129,6 +127,10 @@ class Sharing:
         self.pending[plan.req_id] = list(zip(indices, ids, strict=True))
         return "mirror_bytes", mirror.nbytes
 
+    def releasable(self, plan: DecodePlanLike, block_size: int) -> int:
+        """How many of ``plan``'s blocks `consider` would give back (0 where none may go)."""
+        return 0 if self.off is not None else len(_releasable(plan, block_size))
+
     def forget(self, req_id: str) -> None:
         self.pinned.pop(req_id, None)
         self.pending.pop(req_id, None)
@@ -140,3 +142,9 @@ class Sharing:
     @property
     def mirror_bytes(self) -> int:
         return sum(self.pinned.values())
+
+
+def _releasable(plan: DecodePlanLike, block_size: int) -> list[int]:
+    """`releasable_blocks` of ``plan``: its reused segments' prompt tokens."""
+    ranges = [(use.start, use.end) for use in plan.uses]
+    return releasable_blocks(ranges, plan.first, plan.num_tokens, block_size, len(plan.block_ids))

@@ -162,6 +162,8 @@ class KMeshMetadata(KVConnectorMetadata):
     closes: list[tuple[int, str]] = field(default_factory=list)
     # A request waited for KV blocks this step (cascade decode's speed guard: memory is short).
     memory_short: bool = False
+    # Tokens this step computes (the speed guard's step-time fit: what memory can buy).
+    scheduled_tokens: int = 0
 
 
 @dataclass

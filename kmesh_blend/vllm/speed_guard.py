@@ -12,10 +12,9 @@ each on the cascade path and on vLLM's own kernel over the same requests' whole 
 - a reader alone slower: in a step where a master has one reader, that reader is served by
   vLLM's kernel (unless its blocks went back to vLLM's pool: only the cascade path can read it).
 
-"Slower" takes two things: the cascade path's fastest run is slower than vLLM's, and it lost
-enough of the paired runs that "the two are the same speed" is unlikely (`sign_needed`, a sign
-test at `SIGN_LEVEL`). Where the kernels are about equal, the fastest runs alone flip between
-engines; there the path is no slower, and the weighing while serving has the last word.
+"Slower": the cascade path's fastest run is slower than vLLM's, and it lost enough of the paired
+runs that "the same speed" is unlikely (`sign_needed`, a sign test at `SIGN_LEVEL`); where the
+kernels are about equal, the weighing while serving has the last word.
 
 Arming a reader (verifying its rows against the masters) is paid once, before its first cascade
 step; the probe times it too (`Timing.arm_s`), and a new reader whose tokens left cannot repay it
@@ -24,23 +23,20 @@ decodes on vLLM's kernel with its blocks) unless requests wait for blocks.
 
 While serving, `SpeedGuard.observe` weighs each cascade step — what the path cost (planning and
 the kernel, `cascade_clock.StepParts`; arming, weighed before it is paid, is left out) against
-what vLLM's kernel would have
-cost for the same requests (the start-up timing per context row, times their context rows and
-layers) — over the last `WINDOW` cascade steps, from `EVIDENCE` on (sooner where it lost every
-step weighed, `SpeedGuard._surely_slower`: the same sign test). Where the path costs more,
-it is not used for new readers and sharing gives no more blocks back; but where requests wait
+what vLLM's kernel would have cost for the same requests (the start-up timing per context row,
+times their context rows and layers) — over the last `WINDOW` cascade steps, from `EVIDENCE` on
+(sooner where it lost every step weighed, `SpeedGuard._surely_slower`: the same sign test).
+Where the path costs more, it is not used for new readers and sharing gives no more blocks
+back; but where requests wait
 for KV blocks (`note_memory`: the scheduler saw a request whose blocks the pool could not hold,
-within the window), memory is the bottleneck, and both stay while what the blocks buy outweighs
-what the path costs (`SpeedGuard.memory_pays`): with the pool full, requests in flight grow at
-most with the share of vLLM's pool given back (``freed``), and each step's time with the share
-the path adds to it (its cost over vLLM's estimate, and arming, over the steps' wall time).
+within the window), memory may be the bottleneck: both stay while what the blocks buy
+outweighs what the path adds to each step (`SpeedGuard.memory_pays`, `memory_value.StepFit`).
 The decision and its figures go to one log line each time it changes, the ``/metrics``
 gauges (`gauges`) and, for a reader it keeps out, its report. When it turns the path off, readers
 already in cascade that still hold their blocks go to vLLM's kernel too; and blocks go back
-(``share_kv_memory``) only once the path is shown to pay under the load, or requests wait for
-blocks (`gives_back`), since a reader without its blocks can never leave the path.
-``off`` trusts the settings.
-Plain Python: no vLLM import.
+(``share_kv_memory``) only once the path is weighed under the load and pays there (or memory
+does, `gives_back`): a reader without its blocks can never leave the path. ``off`` trusts the
+settings. Plain Python: no vLLM import.
 """
 
 from __future__ import annotations
@@ -48,22 +44,16 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
-from kmesh_blend.vllm.cascade_timing import SIGN_LEVEL, Timing, sign_needed
+from kmesh_blend.vllm.cascade_timing import SIGN_LEVEL, Timing, Weighed, sign_needed
+from kmesh_blend.vllm.memory_value import StepFit, waits_for_blocks
 
 __all__ = ["EVIDENCE", "SIGN_LEVEL", "WINDOW", "SpeedGuard", "Timing", "sign_needed",
            "waits_for_blocks"]  # fmt: skip
 
 WINDOW = 64  # cascade steps weighed together
 EVIDENCE = 16  # cascade steps before the first weighing
-
-
-def waits_for_blocks(needs: list[int], block_size: int, budget: int, free: int) -> bool:
-    """Whether a request the scheduler asked about and then did not admit waits for KV blocks:
-    ``needs`` its tokens not yet computed, its next chunk at most ``budget`` tokens (vLLM's
-    batched-token budget), ``free`` the blocks vLLM's pool can hand out."""
-    return any(-(-min(n, budget) // block_size) > free for n in needs if n > 0)
 
 
 class Parts(Protocol):
@@ -73,17 +63,7 @@ class Parts(Protocol):
     arm_s: float
     cascade_s: float
     context_rows: int
-
-
-class Weighed(NamedTuple):
-    """One weighed cascade step, seconds: ``cost`` the path (planning and kernel, no arming),
-    ``estimate`` vLLM's kernel on the same requests, ``arm`` arming its new readers, ``period``
-    the step's wall time (0: unknown)."""
-
-    cost: float
-    estimate: float
-    arm: float = 0.0
-    period: float = 0.0
+    period_s: float
 
 
 @dataclass
@@ -98,8 +78,9 @@ class SpeedGuard:
     problem: str | None = None
     alone_on_stock: bool = False
     load_ratio: float | None = None  # cascade cost / vLLM's estimate over the window
-    freed: float = 0.0  # blocks given back and still away, a share of vLLM's pool
+    freed: float = 0.0  # blocks the readers in cascade give back (or would), share of the pool
     _window: deque[Weighed] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    fit: StepFit = field(default_factory=StepFit)
     _short: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     @classmethod
@@ -131,13 +112,20 @@ class SpeedGuard:
         return sum(w.cost - w.estimate + w.arm for w in self._window) / period
 
     @property
+    def bought(self) -> float:
+        """What the blocks sharing gives back buy, a share of the engine's throughput (an upper
+        bound): with the pool full, requests in flight grow by ``freed`` at most, and a step by
+        their tokens' time: only its fixed part (`StepFit.fixed_share`; unfitted: all of it) is
+        spread over more requests."""
+        fixed = self.fit.fixed_share
+        return self.freed * (1.0 if fixed is None else fixed)
+
+    @property
     def memory_pays(self) -> bool:
-        """Requests wait for blocks, and what sharing gives back buys more than the path costs:
-        with the pool full, the requests in flight grow at most by ``freed`` (their share of the
-        pool, an upper bound: a longer batch also takes longer) and every step's time by `added`
-        — so sharing keeps its place while ``freed`` ≥ `added` (unweighed yet: it stays)."""
+        """Requests wait for blocks, and what sharing gives back buys more than the path costs
+        (`bought` ≥ `added`; unweighed yet: it stays)."""
         added = self.added
-        return self.memory_short and (added is None or self.freed >= added)
+        return self.memory_short and (added is None or self.bought >= added)
 
     @property
     def state(self) -> str:
@@ -162,14 +150,16 @@ class SpeedGuard:
         A reader whose blocks went back can only be read by the cascade path, so blocks go
         back only where the path is known to pay under this load (`EVIDENCE` steps weighed)
         or requests wait for blocks; before that its blocks stay and it can still leave."""
-        if self.timing is None or self.memory_pays:
+        if self.timing is None:
+            return None
+        if self.memory_pays and self.load_ratio is not None:
             return None
         if (reason := self.reason) is not None:
             return reason
         if self.load_ratio is None:
-            return (f"speed guard: blocks go back once cascade decode is shown to pay under this "
-                    f"load ({len(self._window)} of {EVIDENCE} steps weighed) or requests wait "
-                    "for KV blocks")  # fmt: skip
+            return (f"speed guard: blocks go back once cascade decode is weighed under this "
+                    f"load ({len(self._window)} of {EVIDENCE} steps weighed) and pays, or "
+                    "requests wait for KV blocks and what they buy outweighs its cost")  # fmt: skip
         return None
 
     @property
@@ -188,9 +178,11 @@ class SpeedGuard:
                 f"steps: {measured:.2f} ms vs {estimated:.2f} ms)")  # fmt: skip
         if state == "load":
             return f"{load} and no request waits for KV blocks"
+        fixed = self.fit.fixed_share
+        of = "" if fixed is None else f", {fixed:.0%} of a step's time not growing with tokens"
         return (f"{load}; requests wait for KV blocks, but the path adds {self.added:.1%} to "
-                f"each step's time and the blocks sharing gave back are {self.freed:.1%} of "
-                "vLLM's pool")  # fmt: skip
+                f"each step's time and the blocks sharing gives back buy {self.bought:.1%} at "
+                f"most ({self.freed:.1%} of vLLM's pool{of})")  # fmt: skip
 
     def keeps_out(self, steps_left: int | None) -> str | None:
         """Why a new reader with ``steps_left`` decode steps at most (None: unknown) is not
@@ -206,11 +198,10 @@ class SpeedGuard:
                 f"{timing.repaid} in a family of {timing.family}; this request decodes at most "
                 f"{steps_left} more and no request waits for KV blocks")  # fmt: skip
 
-    def observe(self, parts: Parts, layers: int, period_s: float = 0.0,
-                freed: float = 0.0) -> str | None:  # fmt: skip
-        """Weigh one finished cascade step of ``layers`` layers, ``period_s`` its wall time (0:
-        unknown), ``freed`` the blocks given back and still away after it, a share of vLLM's
-        pool; the new log line when the decision changed."""
+    def observe(self, parts: Parts, layers: int, freed: float = 0.0) -> str | None:
+        """Weigh one finished cascade step of ``layers`` layers (``parts.period_s`` its forward's
+        time, 0: unknown); ``freed``: the blocks its readers give back or would, a share of
+        vLLM's pool; the new log line when the decision changed."""
         if self.timing is None:
             return None
         before = self.state
@@ -220,7 +211,7 @@ class SpeedGuard:
         # ratio (a family's first step would otherwise carry all its arms); against memory it is
         # part of the price of the blocks
         cost = parts.plan_s - parts.arm_s + parts.cascade_s
-        self._window.append(Weighed(cost, estimate, parts.arm_s, period_s))
+        self._window.append(Weighed(cost, estimate, parts.arm_s, parts.period_s))
         if len(self._window) >= EVIDENCE or self._surely_slower():
             measured, estimated = self._sums()
             self.load_ratio = measured / estimated if estimated > 0 else None
@@ -242,6 +233,15 @@ class SpeedGuard:
             return None
         before = self.state
         self._short.append(short)
+        return self._changed(before)
+
+    def note_step(self, tokens: int, seconds: float) -> str | None:
+        """An engine step's forward computed ``tokens`` tokens in ``seconds`` (`StepFit`); the
+        new log line when the decision changed."""
+        if self.timing is None:
+            return None
+        before = self.state
+        self.fit.add(tokens, seconds)
         return self._changed(before)
 
     def _sums(self) -> tuple[float, float]:
@@ -279,6 +279,7 @@ class SpeedGuard:
             "cascade_guard_memory_short": int(self.memory_short),
             "cascade_guard_freed_permille": round(self.freed * 1000),
             "cascade_guard_added_permille": _permille(self.added),
+            "cascade_guard_bought_permille": round(self.bought * 1000),
             "cascade_guard_break_even_steps": _steps(timing.break_even if timing else None),
         }
 

@@ -70,8 +70,10 @@ GAUGES: dict[str, str] = {
     "vLLM's kernel would cost for the same requests, x1000 (0: not weighed yet)",
     "cascade_guard_memory_short": "1 while requests recently waited for KV blocks (sharing then "
     "stays while the blocks it gave back outweigh what cascade adds to a step)",
-    "cascade_guard_freed_permille": "KV blocks live readers gave back, a share of vLLM's pool, "
-    "x1000",
+    "cascade_guard_freed_permille": "KV blocks the readers in cascade give back (or would), a "
+    "share of vLLM's pool, x1000",
+    "cascade_guard_bought_permille": "What those blocks buy at most, a share of throughput: the "
+    "freed share times the share of a step's time not growing with its tokens, x1000",
     "cascade_guard_added_permille": "Share of the weighed steps' wall time the cascade path added "
     "over vLLM's kernel, arming included, x1000 (0: not weighed yet)",
     "cascade_guard_break_even_steps": "Start-up timing: decode steps in which a family's reader "

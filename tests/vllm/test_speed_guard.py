@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
+from kmesh_blend.vllm.memory_value import LEAST, StepFit
 from kmesh_blend.vllm.speed_guard import (
     EVIDENCE,
     SpeedGuard,
@@ -47,6 +48,7 @@ def test_a_family_slower_than_vllm_keeps_new_readers_out() -> None:
                               "cascade_guard_memory_short": 0,
                               "cascade_guard_freed_permille": 0,
                               "cascade_guard_added_permille": 0,
+                              "cascade_guard_bought_permille": 0,
                               "cascade_guard_break_even_steps": 0}  # fmt: skip
     assert "new readers decode on vLLM's kernel" in guard.line()
     # where requests wait for KV blocks, memory is the bottleneck: readers (and sharing) stay
@@ -92,15 +94,20 @@ def test_a_path_that_costs_more_under_load_is_switched_off_unless_memory_is_shor
 
 
 def test_where_requests_wait_for_blocks_sharing_stays_while_the_blocks_outweigh_its_cost() -> None:
-    # vLLM's kernel: 2 ms a step for these requests; the path 3 ms, steps of 20 ms wall time:
-    # it adds 1 ms / 20 ms = 5 % to each step
-    def weigh(freed: float, arm_ms: float = 0.0) -> SpeedGuard:
+    # vLLM's kernel: 2 ms a step for these requests; the path 3 ms, steps of 20 ms: it adds 1 ms
+    # of 20 (5 %) to each step
+    def weigh(freed: float, fixed: float | None = None, arm_ms: float = 0.0) -> SpeedGuard:
         guard = SpeedGuard.decide("auto", _timing(0.5, 0.5))
         guard.note_memory(True)
+        if fixed is not None:  # engine steps: 10 ms fixed + 1 ms per token for ``fixed`` = 0.5
+            for tokens in [5, 15] * 20:
+                guard.note_step(tokens, (10 + tokens * (1 - fixed) / fixed) * 1e-3)
         step = _step(3.0, 8000)
         step.arm_s = step.plan_s = arm_ms * 1e-3
+        step.period_s = 20e-3
+        assert guard.gives_back is not None  # before the path is weighed, no block goes back
         for _ in range(EVIDENCE):
-            guard.observe(step, layers=2, period_s=20e-3, freed=freed)
+            guard.observe(step, layers=2, freed=freed)
         return guard
 
     pays = weigh(freed=0.10)  # a tenth of the pool given back: more requests in flight
@@ -116,10 +123,36 @@ def test_where_requests_wait_for_blocks_sharing_stays_while_the_blocks_outweigh_
     assert gauges["cascade_guard_freed_permille"] == 20 and gauges["cascade_guard_admits"] == 0
     # arming is part of the blocks' price: 2 ms of it a step makes 15 %
     assert weigh(freed=0.10, arm_ms=2.0).state == "costly"
-    # before any step is weighed (or with no wall time) the wait decides, as before
+    # steps that grow with their tokens: only their fixed part is spread over more requests
+    half = weigh(freed=0.12, fixed=0.5)
+    assert half.fit.fixed_share == pytest.approx(0.5) and half.bought == pytest.approx(0.06)
+    assert half.state == "memory"
+    tenth = weigh(freed=0.12, fixed=0.1)  # a CPU's prefill chunks: 1.2 % bought, 5 % paid
+    assert tenth.state == "costly" and "10% of a step's time not growing" in (tenth.reason or "")
+    assert tenth.gauges()["cascade_guard_bought_permille"] == 12
+    # before any step is weighed the wait decides, as before
     unweighed = SpeedGuard.decide("auto", _timing(1.2, 1.2))
     unweighed.note_memory(True)
     assert unweighed.state == "memory" and unweighed.added is None
+
+
+def test_a_step_fit_finds_the_part_of_a_step_that_does_not_grow_with_its_tokens() -> None:
+    fit = StepFit()
+    for tokens in range(1, LEAST):
+        fit.add(tokens, 0.030 + 0.002 * tokens)
+    assert fit.fixed_share is None  # too few steps
+    fit.add(LEAST, 0.030 + 0.002 * LEAST)
+    mean = 0.030 + 0.002 * (LEAST + 1) / 2
+    assert fit.fixed_share == pytest.approx(0.030 / mean)
+    flat = StepFit()
+    for _ in range(LEAST):
+        flat.add(8, 0.05)
+    assert flat.fixed_share is None  # every step of one size: no line
+    for tokens in range(LEAST):
+        flat.add(tokens + 1, 0.05)  # time that does not grow with tokens: all of it fixed
+    assert flat.fixed_share == pytest.approx(1.0)
+    flat.add(0, 1.0)  # (a step without tokens, or an idle gap, is not a sample)
+    assert flat.fixed_share == pytest.approx(1.0)
 
 
 def test_a_path_that_loses_only_some_steps_is_weighed_after_the_evidence() -> None:
@@ -316,7 +349,8 @@ def test_a_start_up_slower_must_beat_the_noise(lost: int, slower: bool) -> None:
 def test_blocks_go_back_only_where_the_path_is_shown_to_pay_or_memory_is_short() -> None:
     guard = SpeedGuard.decide("auto", _timing(0.5, 0.5))  # vLLM: 1 ms / (8 × 1000 rows), layer
     assert guard.admits and "0 of 16 steps weighed" in (guard.gives_back or "")
-    assert guard.note_memory(True) is not None and guard.gives_back is None  # requests wait
+    assert guard.note_memory(True) is not None and guard.admits  # requests wait: readers armed,
+    assert "0 of 16 steps weighed" in (guard.gives_back or "")  # blocks back once weighed
     guard.note_memory(False)
     for _ in range(200):  # the window forgets the wait; cheap steps: the path pays
         guard.note_memory(False)
