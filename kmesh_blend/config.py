@@ -146,13 +146,15 @@ class KMeshConfig:
     alone), then weighs every cascade step's cost against vLLM's kernel for the same requests
     while serving (start-up "slower" only beyond noise: a sign test over paired runs); where
     cascade costs more, readers that hold their blocks decode on vLLM's kernel, and
-    ``share_kv_memory`` gives blocks back only where the path is shown to pay or requests wait
-    for KV blocks (there, sharing stays); where one reader alone is slower, a master's only
+    ``share_kv_memory`` gives blocks back only once the path is weighed and pays, or requests
+    wait for KV blocks and what the blocks buy outweighs what the path adds to each step (their
+    share of vLLM's pool times the share of a step's time that does not grow with its tokens,
+    fitted on the engine's own steps); where one reader alone is slower, a master's only
     reader of a step is read on vLLM's kernel; a reader whose tokens left (``max_tokens``) cannot
     repay arming it (verifying its rows, timed at start) stays on vLLM's kernel unless requests
-    wait for blocks (`kmesh_blend/vllm/speed_guard.py`; each decision, with its figures, in one
-    log line, the reports and ``/metrics``). ``off`` trusts the settings (tests and benchmarks of
-    the raw path)."""
+    wait for blocks and sharing pays (`kmesh_blend/vllm/speed_guard.py`; each decision, with its
+    figures, in one log line, the reports and ``/metrics``). ``off`` trusts the settings (tests
+    and benchmarks of the raw path)."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

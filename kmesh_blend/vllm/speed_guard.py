@@ -148,8 +148,8 @@ class SpeedGuard:
     def gives_back(self) -> str | None:
         """Why ``share_kv_memory`` may not give a new reader's blocks back now (None: it may).
         A reader whose blocks went back can only be read by the cascade path, so blocks go
-        back only where the path is known to pay under this load (`EVIDENCE` steps weighed)
-        or requests wait for blocks; before that its blocks stay and it can still leave."""
+        back only once the path is weighed under this load and pays there (or memory does,
+        `memory_pays`); before that its blocks stay and it can still leave."""
         if self.timing is None:
             return None
         if self.memory_pays and self.load_ratio is not None:
