@@ -87,6 +87,7 @@ class CascadeDecode:
         self.step_arm_s = 0.0  # of this step's plan: arming new readers (once per request)
         self.step_context_rows = 0  # of this step's cascade requests
         self._began: tuple[int, float] | None = None  # (tokens, clock) of the step under way
+        self.pool_blocks = max(1, self.layout.views(self.caches[0])[0].shape[0])  # vLLM's pool
 
     def share(self, world_size: int, cap: int) -> None:
         """Give back readers' segment blocks from now on (``kmesh.share_kv_memory``), their
@@ -252,7 +253,7 @@ class CascadeDecode:
         """Blocks the armed readers gave back or would give back (where sharing may), a share of
         the engine's pool (the speed guard)."""
         back = sum(p.releasable for p in self.plans.values() if p.armed)
-        return back / max(1, self.layout.views(self.caches[0])[0].shape[0])
+        return back / self.pool_blocks
 
     @property
     def num_pinned(self) -> int:

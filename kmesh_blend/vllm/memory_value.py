@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-__all__ = ["FIT", "StepFit", "waits_for_blocks"]
+__all__ = ["FIT", "LEAST", "StepFit", "waits_for_blocks"]
 
 FIT = 256  # engine steps in the fit
 LEAST = 16  # steps before a fit is given
@@ -33,7 +33,7 @@ class StepFit:
 
     def __init__(self) -> None:
         self.steps: deque[tuple[int, float]] = deque()
-        self._sums = [0.0] * 5  # Σ1, Σtokens, Σseconds, Σtokens², Σtokens·seconds
+        self._sums = [0.0] * 4  # Σtokens, Σseconds, Σtokens², Σtokens·seconds
 
     def add(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -44,7 +44,7 @@ class StepFit:
             self._move(*self.steps.popleft(), -1)
 
     def _move(self, tokens: int, seconds: float, sign: int) -> None:
-        for i, term in enumerate((1, tokens, seconds, tokens * tokens, tokens * seconds)):
+        for i, term in enumerate((tokens, seconds, tokens * tokens, tokens * seconds)):
             self._sums[i] += sign * term
 
     @property
@@ -52,9 +52,10 @@ class StepFit:
         """The share of a step's time that does not grow with its tokens: the intercept of the
         least-squares line of seconds against tokens, over their mean seconds, within [0, 1]
         (None: fewer than `LEAST` steps, or all of one size)."""
-        n, sum_t, sum_s, sum_tt, sum_ts = self._sums
-        if len(self.steps) < LEAST:
+        n = len(self.steps)
+        if n < LEAST:
             return None
+        sum_t, sum_s, sum_tt, sum_ts = self._sums
         spread = sum_tt - sum_t * sum_t / n
         if spread <= 1e-9 * max(1.0, sum_tt):  # (running sums: rounding, not spread)
             return None
