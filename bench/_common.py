@@ -24,7 +24,7 @@ from kmesh_blend.models import LayerwiseModel
 
 FULL_RESULTS = Path(__file__).resolve().parent / "results"
 # A --quick run writes apart (bench/results/quick/, not committed): it never replaces a full
-# run's results, which the README's tables are generated from.
+# run's results, which the docs' tables are generated from.
 RESULTS = FULL_RESULTS / "quick" if "--quick" in sys.argv else FULL_RESULTS
 T = TypeVar("T")
 

@@ -2,10 +2,10 @@
 
 Each script's last printed line is one JSON object (``name``, ``metric``, ``value``, ``unit``,
 ``goal``, ``baseline``, ``quick``, ``config``). This runner saves it as
-``bench/results/<name>.json`` and rewrites README's results table between its markers, so the
-table only ever shows measured numbers. ``--quick`` passes ``--quick`` to every script; a quick
-run's results (JSON and plots) go to ``bench/results/quick/`` and the README is left alone, so a
-quick run never replaces a full one.
+``bench/results/<name>.json`` and rewrites the results table of docs/results.md between its
+markers, so the table only ever shows measured numbers. ``--quick`` passes ``--quick`` to every
+script; a quick run's results (JSON and plots) go to ``bench/results/quick/`` and the tables are
+left alone, so a quick run never replaces a full one.
 
 Every ``bench/*.py`` script (but this one and ``_*`` helpers) is one benchmark named after its
 file; `VARIANTS` adds benchmarks that run a script again with other arguments (named after the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
-README = BENCH.parent / "README.md"
+TABLE_DOC = BENCH.parent / "docs" / "results.md"  # every result's row
 QUALITY_DOC = BENCH.parent / "docs" / "quality.md"  # the quality tables' home
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 Q_BEGIN, Q_END = "<!-- quality:begin -->", "<!-- quality:end -->"
@@ -53,7 +53,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, same code path")
     parser.add_argument("names", nargs="*", help="only these benchmarks (e.g. quality)")
     parser.add_argument(
-        "--no-readme", action="store_true", help="write bench/results/ only, leave README alone"
+        "--no-tables",
+        "--no-readme",
+        action="store_true",
+        help="write bench/results/ only, leave the generated tables alone",
     )
     args = parser.parse_args()
     scripts = sorted(p for p in BENCH.glob("*.py") if p.name != "run_all.py" and p.name[0] != "_")
@@ -84,8 +87,8 @@ def main() -> int:
             failed.append(name)
             continue
         (results / f"{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
-    if not args.no_readme and not args.quick:
-        write_readme_table()
+    if not args.no_tables and not args.quick:
+        write_tables()
     if not jobs:
         print("no benchmark scripts in bench/ yet")
     if failed:
@@ -98,9 +101,9 @@ def quick_results() -> Path:
     return RESULTS / "quick"
 
 
-def write_readme_table() -> None:
-    """Regenerate README's results table, and docs/quality.md's quality tables, from
-    bench/results/*.json."""
+def write_tables() -> None:
+    """Regenerate docs/results.md's results table, docs/load.md's serving table and
+    docs/quality.md's quality tables from bench/results/*.json."""
     rows = ["| benchmark | metric | value | goal | baseline | mode |", "|---|---|---|---|---|---|"]
     for path in sorted(RESULTS.glob("*.json")):
         r = json.loads(path.read_text())
@@ -114,7 +117,7 @@ def write_readme_table() -> None:
         )
     if len(rows) == 2:
         rows.append("| — | not measured yet | — | — | — | — |")
-    README.write_text(_between(README.read_text(), BEGIN, END, rows))
+    TABLE_DOC.write_text(_between(TABLE_DOC.read_text(), BEGIN, END, rows))
     serving = RESULTS / "serving.json"
     if LOAD_DOC.exists() and serving.exists():
         rows = _serving_rows(json.loads(serving.read_text()))
@@ -135,8 +138,9 @@ def write_readme_table() -> None:
 
 
 def _real_quality_rows(result: dict, ceiling: dict | None = None) -> list[str]:
-    """README's real-model table: every rule × ratio × selection of ``quality_smollm2``, then its
-    reference points and, when ``selection_ceiling`` ran, the oracle selections at 0.15."""
+    """docs/quality.md's real-model table: every rule × ratio × selection of
+    ``quality_smollm2``, then its reference points and, when ``selection_ceiling`` ran, the
+    oracle selections at 0.15."""
     cfg = result["config"]
     served = cfg.get("served_identical_answers", {})
     rows = [
@@ -295,7 +299,7 @@ def _serving_rows(result: dict) -> list[str]:
 
 
 def _quality_rows(result: dict) -> list[str]:
-    """README's reuse-quality table: every setting of ``bench/quality.py``'s result."""
+    """docs/quality.md's reuse-quality table: every setting of ``bench/quality.py``'s result."""
     rows = [
         "| selection | ratio | recomputed | top-1 agreement | KL(full ‖ blend) | perplexity |",
         "|---|---|---|---|---|---|",

@@ -1,6 +1,6 @@
 """A ``--quick`` benchmark run never replaces a full run's results: `bench/run_all.py` and the
 scripts' shared helpers (`bench/_common.py`) write quick results to ``bench/results/quick/`` and
-leave the README's generated tables alone."""
+leave the generated tables alone."""
 
 from __future__ import annotations
 
@@ -29,18 +29,18 @@ def run_all(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
         "print(json.dumps({'name': 'tiny', 'metric': 'm', 'value': 2.0 if quick else 1.0,"
         " 'quick': quick}))\n"
     )
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "results.md"
     readme.write_text(f"x\n{run_all.BEGIN}\nold table\n{run_all.END}\n")
     monkeypatch.setattr(run_all, "BENCH", bench)
     monkeypatch.setattr(run_all, "RESULTS", bench / "results")
-    monkeypatch.setattr(run_all, "README", readme)
+    monkeypatch.setattr(run_all, "TABLE_DOC", readme)
     monkeypatch.setattr(run_all, "QUALITY_DOC", tmp_path / "absent.md")
     monkeypatch.setattr(run_all, "VARIANTS", {})
     return run_all
 
 
 def test_a_quick_run_leaves_full_results_and_readme(run_all: Any, monkeypatch: Any) -> None:
-    results, readme = run_all.RESULTS, run_all.README
+    results, readme = run_all.RESULTS, run_all.TABLE_DOC
     monkeypatch.setattr(sys, "argv", ["run_all.py"])
     assert run_all.main() == 0
     full = json.loads((results / "tiny.json").read_text())

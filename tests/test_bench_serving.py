@@ -244,3 +244,32 @@ def test_a_failed_run_shows_what_its_server_said_last(
     server.__exit__(RuntimeError, RuntimeError("client"), None)
     err = capsys.readouterr().err
     assert "RuntimeError: cascade broke" in err and "line 99" in err and "line 5\n" not in err
+
+
+def test_the_spread_judges_a_difference_by_its_standard_error() -> None:
+    import serving_spread
+
+    def runs(shares: list[float]) -> list[dict[str, float]]:
+        return [{"within_slo": s, "request_throughput": 0.5, "request_goodput": s / 2,
+                 "median_tpot_ms": 80.0, "median_ttft_ms": 900.0} for s in shares]  # fmt: skip
+
+    base = runs([0.9, 0.8, 0.85])
+    close = serving_spread.cells(
+        {"kmesh": {0.6: base}, "kmesh_share": {0.6: runs([0.8, 0.9, 0.8])}}
+    )
+    row = close["compared"]["0.6"]["within_slo"]
+    assert row["difference"] == pytest.approx(-1 / 60, abs=1e-3) and row["within_noise"]
+    assert serving_spread.value(close) == row["z"] < 0
+    far = serving_spread.cells({"kmesh": {0.6: base}, "kmesh_share": {0.6: runs([0.5, 0.55, 0.5])}})
+    assert not far["compared"]["0.6"]["within_slo"]["within_noise"]
+    assert serving_spread.value(far) < -serving_spread.NOISE
+    # no spread on either side: any shortfall counts, and equal figures hold
+    flat = serving_spread.cells({"kmesh": {0.6: runs([0.9, 0.9])},
+                                 "kmesh_share": {0.6: runs([0.9, 0.9])}})  # fmt: skip
+    assert flat["compared"]["0.6"]["request_throughput"]["within_noise"]
+    assert (
+        serving_spread.compare(
+            serving_spread.spread([0.9, 0.9]), serving_spread.spread([0.8, 0.8])
+        )["within_noise"]
+        is False
+    )

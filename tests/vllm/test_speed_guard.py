@@ -326,6 +326,48 @@ def test_a_path_that_loses_under_load_is_switched_off_while_serving(
     _same_tokens(on, _serve(path, "float32", "tiny", doc_len, cascade_decode=False))
 
 
+def test_where_requests_wait_for_blocks_a_path_dearer_than_its_blocks_is_switched_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kmesh_blend.vllm.cascade_install as cascade_install
+    from kmesh_blend.vllm.cascade_decode import CascadeDecode
+
+    timing = Timing(8, 1024, 1089, 1e-9, 2e-9, 1e-9, 2e-9)  # loses under load, as above
+    monkeypatch.setattr(cascade_install, "probe", lambda *args: timing)
+    # every step reaches the worker saying a request waits for blocks (the scheduler's signal,
+    # `waits_for_blocks`, is tested above); the tiny model's readers give back a sliver of its
+    # large pool, which buys far less than the path costs
+    note = CascadeDecode.note_memory
+    monkeypatch.setattr(CascadeDecode, "note_memory",
+                        lambda self, short, tokens=0: note(self, True, tokens))  # fmt: skip
+    installed = _installed(monkeypatch)
+    lines = _Lines()
+    logging.getLogger("vllm.kmesh_blend").addFilter(lines)
+    try:
+        path, doc_len = build_checkpoint(TINY_LLAMA), 300
+        on = _serve(path, "float32", "tiny", doc_len, cascade_decode=True, share_kv_memory=True,
+                    speed_guard="auto")  # fmt: skip
+    finally:
+        logging.getLogger("vllm.kmesh_blend").removeFilter(lines)
+    monkeypatch.undo()
+    guard = installed[0].guard
+    assert guard.state == "costly" and not guard.admits, guard.line()
+    assert guard.added is not None and guard.bought < guard.added, guard.line()
+    gauges = installed[0].gauges()
+    assert gauges["cascade_guard_memory_short"] == 1 and gauges["cascade_guard_admits"] == 0
+    assert gauges["cascade_guard_added_permille"] > gauges["cascade_guard_bought_permille"]
+    costly = "requests wait for KV blocks, but the path adds"
+    assert sum(costly in line for line in lines.lines) == 1, lines.lines
+    # memory short and not weighed yet: the first reader is armed; once weighed, the path
+    # costs more than the blocks buy, so it leaves with its blocks and the families after
+    # it stay out
+    first, later = on[0][2], [r for _, _, r in on[1:-1]]
+    assert 0 < first["cascade_steps"] < MAX_TOKENS["tiny"] - 1, first
+    assert costly in first["cascade_off"] and "released_blocks" not in first, first
+    assert all("cascade_steps" not in r and costly in r["cascade_off"] for r in later), later
+    _same_tokens(on, _serve(path, "float32", "tiny", doc_len, cascade_decode=False))
+
+
 def test_sign_needed_is_the_one_sided_binomial_bound() -> None:
     assert [sign_needed(n) for n in (3, 4, 5, 11, 21)] == [4, 5, 5, 9, 15]
     # P(X >= 9 | 11 fair coins) = 67/2048 < 0.05; P(X >= 8) = 232/2048 > 0.05
