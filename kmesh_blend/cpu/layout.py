@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pair_values", "tile_keys", "unpair_values", "untile_keys"]
+__all__ = ["pair_value_rows", "pair_values", "tile_key_rows", "tile_keys", "unpair_values",
+           "untile_keys"]  # fmt: skip
 
 
 def tile_keys(k_t: torch.Tensor) -> torch.Tensor:
@@ -38,6 +39,42 @@ def pair_values(v: torch.Tensor) -> torch.Tensor:
     if size % 2:
         v = torch.cat((v, v.new_zeros(*lead, 1, dim)), dim=-2)
     return v.reshape(*lead, (size + 1) // 2, 2, dim).transpose(-1, -2).contiguous()
+
+
+def tile_key_rows(k: torch.Tensor) -> torch.Tensor:
+    """`tile_keys` from keys as stored, k [..., S, Hkv, D] → [..., Hkv, ceil(S/16), D/2, 16, 2]
+    contiguous, the same elements. A master's keys go through here once per engine: read in
+    order, and in 16-bit dtypes moved as 32-bit words (a pair of dimensions is one word in
+    both layouts), ≈ 4× less time than transposing first."""
+    *lead, size, heads, dim = k.shape
+    pad = -size % 16
+    if pad:
+        k = torch.cat((k, k.new_zeros(*lead, pad, heads, dim)), dim=-3)
+    b, tiles = len(lead), (size + pad) // 16
+    if k.element_size() == 2:
+        words = k.contiguous().view(torch.int32).view(*lead, tiles, 16, heads, dim // 2)
+        out = words.permute(*range(b), b + 2, b, b + 3, b + 1).contiguous()
+        return out.view(k.dtype).view(*out.shape, 2)
+    x = k.contiguous().view(*lead, tiles, 16, heads, dim // 2, 2)
+    return x.permute(*range(b), b + 2, b, b + 3, b + 1, b + 4).contiguous()
+
+
+def pair_value_rows(v: torch.Tensor) -> torch.Tensor:
+    """`pair_values` from values as stored, v [..., S, Hkv, D] → [..., Hkv, ceil(S/2), D, 2]
+    contiguous, the same elements. In 16-bit dtypes each pair is built as one 32-bit word
+    (row 2j in the low half, as the layout holds it) before the heads move: ≈ 2× less time."""
+    *lead, size, heads, dim = v.shape
+    if size % 2:
+        v = torch.cat((v, v.new_zeros(*lead, 1, heads, dim)), dim=-3)
+    b = len(lead)
+    if v.element_size() == 2:
+        bits = v.view(torch.int16)
+        low, high = bits[..., 0::2, :, :], bits[..., 1::2, :, :]
+        words = (low.to(torch.int32) & 0xFFFF) | (high.to(torch.int32) << 16)
+        out = words.transpose(-3, -2).contiguous()  # [..., Hkv, S/2, D] words
+        return out.view(v.dtype).view(*out.shape, 2)
+    x = v.contiguous().view(*lead, (size + size % 2) // 2, 2, heads, dim)
+    return x.permute(*range(b), b + 2, b, b + 3, b + 1).contiguous()
 
 
 def unpair_values(paired: torch.Tensor, size: int) -> torch.Tensor:

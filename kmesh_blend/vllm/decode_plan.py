@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kmesh_blend.cpu.layout import pair_values, tile_keys
+from kmesh_blend.cpu.layout import pair_value_rows, tile_key_rows
 from kmesh_blend.models.rope import RotaryEmbedding, rotate
 from kmesh_blend.segments.master import Master
 from kmesh_blend.vllm.kv_release import Release
@@ -56,12 +56,12 @@ class SharedMaster:
     def of(cls, master: Master, dtype: torch.dtype, tiled: bool = False) -> SharedMaster:
         kv = master.kv
         # Through the cache dtype first: the values the paged copies hold.
-        k = kv[:, 0].to(dtype).permute(0, 2, 3, 1)
-        v = kv[:, 1].to(dtype).permute(0, 2, 1, 3)
+        k, v = kv[:, 0].to(dtype), kv[:, 1].to(dtype)  # [L, S, Hkv, D]
         first, size = int(master.positions[0]), int(kv.shape[2])
         if tiled:
-            return cls(tile_keys(k), pair_values(v), first, size)
-        return cls(k.float().contiguous(), v.float().contiguous(), first, size)
+            return cls(tile_key_rows(k), pair_value_rows(v), first, size)
+        k_t, v = k.permute(0, 2, 3, 1), v.permute(0, 2, 1, 3)
+        return cls(k_t.float().contiguous(), v.float().contiguous(), first, size)
 
 
 @dataclass

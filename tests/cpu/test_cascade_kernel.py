@@ -14,7 +14,14 @@ import torch
 
 from kmesh_blend.attention.decode import MASKED, MasterRows, OwnRows, decode_cascade
 from kmesh_blend.cpu import cascade_decode_op, cpu_kernel_expected
-from kmesh_blend.cpu.layout import pair_values, tile_keys, unpair_values, untile_keys
+from kmesh_blend.cpu.layout import (
+    pair_value_rows,
+    pair_values,
+    tile_key_rows,
+    tile_keys,
+    unpair_values,
+    untile_keys,
+)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -38,6 +45,12 @@ def test_layouts_round_trip_and_place_each_element() -> None:
         assert flat_k[((j // 16) * 32 + d // 2) * 32 + (j % 16) * 2 + d % 2] == k_t[1, 2, d, j]
         assert flat_v[((j // 2) * 64 + d) * 2 + j % 2] == v[1, 2, j, d]
     assert not tiled[..., 2, :, 5:, :].any() and not paired[..., 18, :, 1].any()  # zero padding
+    # from rows as stored ([S, Hkv, D]): the same tensors, in every dtype and odd sizes
+    for dtype in (torch.float32, torch.bfloat16):
+        for size in (37, 32, 1):
+            k, v = torch.randn(2, size, 3, 64).to(dtype), torch.randn(2, size, 3, 64).to(dtype)
+            assert torch.equal(tile_key_rows(k), tile_keys(k.permute(0, 2, 3, 1)))
+            assert torch.equal(pair_value_rows(v), pair_values(v.transpose(1, 2)))
 
 
 def _case(
