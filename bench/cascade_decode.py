@@ -177,15 +177,16 @@ def main() -> None:
         print(f"the speed guard kept the family on vLLM's kernel: {fell_back[0]}")
     elif any(fell_back) or min(cascaded) < decode_steps - 1:
         raise SystemExit(f"a follow-up did not decode in cascade: {reports}")
-    plot_bars(
-        "cascade_decode",
+    name = "cascade_decode" + ("_guard" if args.speed_guard == "auto" else "")
+    plot_bars(  # named after the result: a variant never overwrites the raw run's plot
+        name,
         ["family, cascade off", "family, cascade on", "unannotated, stock", "unannotated, ours"],
         [med["off"], med["on"], med["plain_stock"], med["plain_on"]],
         f"{SMOLLM2}: decode step of {len(family)} requests over a {doc_len}-token document",
     )
     emit(
         {
-            "name": "cascade_decode" + ("_guard" if args.speed_guard == "auto" else ""),
+            "name": name,
             "metric": "decode-step time of the family, cascade on / off",
             "value": round(value, 4),
             "unit": "x",
