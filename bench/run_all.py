@@ -34,6 +34,9 @@ VARIANTS = {
     "quality_smollm2": ("quality.py", ["--model", "smollm2"]),
     "follow_up_ttft_smollm2": ("follow_up_ttft.py", ["--model", "smollm2"]),
     "cascade_load_kv64": ("cascade_load.py", ["--kv-blocks", "64"]),
+    # the tight KV budget of the serving benchmark, and its run-to-run spread
+    "serving_kv64": ("serving.py", ["--kv-blocks", "64"]),
+    "serving_kv64_spread": ("serving_spread.py", ["--kv-blocks", "64", "--repeats", "5"]),
     "cascade_decode_guard": ("cascade_decode.py", ["--speed-guard", "auto"]),
     "agents_per_memory_guard": ("agents_per_memory.py", ["--speed-guard", "auto"]),
     "follow_up_ttft_smollm2_mixed": (

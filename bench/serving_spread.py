@@ -8,15 +8,17 @@ requests. This benchmark runs the same servers, workload, client and SLO (`servi
 ``share_kv_memory`` (the speed guard at its default) reaches KMesh defaults' throughput and
 goodput *within noise*: its mean ≥ KMesh's mean minus two standard errors of the difference.
 
-The first run of each cell is the one `bench/serving.py` keeps (``<engine>_r<rate>`` in
-``bench/results/serving_runs/`` or ``serving_kv<N>_runs/``), read back when it is there; the
-others are kept beside it as ``<engine>_r<rate>_n<k>``. Result ``serving_spread`` (or
+Runs are kept in ``bench/results/serving_runs/`` (or ``serving_kv<N>_runs/``): the first of
+each cell as `bench/serving.py` names it (``<engine>_r<rate>``), the others beside it as
+``<engine>_r<rate>_n<k>``; ``--reuse`` reads back the kept ones (only for the same code: a run
+made before a change says nothing about it) and runs the rest. Result ``serving_spread`` (or
 ``serving_kv<N>_spread`` with ``--kv-blocks N``): value = the smallest, over the rates, of
 (kmesh_share's mean within-SLO share − KMesh's) / the standard error of that difference — ≥ −2
 means "within noise" at every rate; every run's figures, means and standard deviations are in
 ``config``. ``--quick``: 2 families × 3 agents, one rate, 2 runs (≈ 10 min).
 
 Run: python bench/serving_spread.py [--quick] [--kv-blocks 64] [--rates 0.6,0.9] [--repeats 3]
+[--reuse]
 """
 
 from __future__ import annotations
@@ -47,42 +49,47 @@ def spread(values: list[float]) -> dict[str, Any]:
             "min": min(values), "max": max(values)}  # fmt: skip
 
 
-def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+def compare(base: dict[str, Any], other: dict[str, Any], floor: float = 0.0) -> dict[str, Any]:
     """``other`` − ``base`` for one figure's spreads: the difference of means, its standard error
-    (independent runs) and the difference in standard errors (None when both spreads are 0)."""
+    (independent runs; at least ``floor``, the figure's resolution) and the difference in
+    standard errors. With no spread on either side and no floor, z is None and only a
+    difference ≥ 0 holds."""
     diff = other["mean"] - base["mean"]
     se = math.sqrt(other["sd"] ** 2 / len(other["runs"]) + base["sd"] ** 2 / len(base["runs"]))
+    se = max(se, floor)
     z = None if se == 0 else round(diff / se, 2)
     held = diff >= 0 if se == 0 else diff >= -NOISE * se
     return {"difference": round(diff, 4), "se": round(se, 4), "z": z, "within_noise": held}
 
 
-def cells(rows: dict[str, dict[float, list[dict[str, Any]]]]) -> dict[str, Any]:
-    """Per engine and rate, each figure's spread over its runs; per rate, the pair compared."""
+def cells(rows: dict[str, dict[float, list[dict[str, Any]]]], requests: int) -> dict[str, Any]:
+    """Per engine and rate, each figure's spread over its runs; per rate, the pair compared (the
+    within-SLO share's standard error at least one request of ``requests`` over √runs: two
+    sides without spread still give a z)."""
     table: dict[str, Any] = {}
     for engine, by_rate in rows.items():
         table[engine] = {f"{r:g}": {f: spread([run[f] for run in runs]) for f in FIGURES}
                          for r, runs in by_rate.items()}  # fmt: skip
     if all(e in table for e in PAIR):
         base, other = (table[e] for e in PAIR)
-        table["compared"] = {rate: {f: compare(base[rate][f], other[rate][f])
-                                    for f in ("within_slo", "request_throughput",
-                                              "request_goodput")}
-                             for rate in base if rate in other}  # fmt: skip
+        table["compared"] = {}
+        for rate in [r for r in base if r in other]:
+            runs = min(
+                len(base[rate]["within_slo"]["runs"]), len(other[rate]["within_slo"]["runs"])
+            )
+            floor = 1 / (requests * math.sqrt(runs))
+            table["compared"][rate] = {
+                f: compare(base[rate][f], other[rate][f], floor if f == "within_slo" else 0.0)
+                for f in ("within_slo", "request_throughput", "request_goodput")
+            }
     return table
 
 
 def value(table: dict[str, Any]) -> float | None:
-    """The worst rate's z of the within-SLO difference (a zero-spread cell: +inf when held, else
-    -inf; None without the pair)."""
-    if "compared" not in table:
+    """The worst rate's z of the within-SLO difference (None without the pair)."""
+    if not table.get("compared"):
         return None
-    zs = []
-    for row in table["compared"].values():
-        c = row["within_slo"]
-        zs.append(c["z"] if c["z"] is not None else (math.inf if c["within_noise"] else -math.inf))
-    worst = min(zs)
-    return worst if math.isfinite(worst) else None
+    return min(row["within_slo"]["z"] for row in table["compared"].values())
 
 
 def main() -> None:
@@ -92,6 +99,7 @@ def main() -> None:
     parser.add_argument("--engines", default=",".join(PAIR), help="comma-separated subset")
     parser.add_argument("--repeats", type=int, help="runs per engine and rate (≥ 2)")
     parser.add_argument("--kv-blocks", type=int, help="tight KV budget in blocks (all engines)")
+    parser.add_argument("--reuse", action="store_true", help="read back kept runs (same code)")
     args = parser.parse_args()
     engines = [e for e in args.engines.split(",") if e]
     if unknown := set(engines) - set(ENGINES):
@@ -115,7 +123,7 @@ def main() -> None:
     folder = RESULTS / ("serving_runs" if args.kv_blocks is None
                         else f"serving_kv{args.kv_blocks}_runs")  # fmt: skip
     platform = {"cpu": cpu_flags(), "attn_isa": attn_isa("bfloat16", BLOCK_SIZE)}
-    runs = Runs(folder, platform, replay=True)
+    runs = Runs(folder, platform, replay=args.reuse)
     rows: dict[str, dict[float, list[dict[str, Any]]]] = {e: {r: [] for r in rates}
                                                           for e in engines}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kmesh-spread-") as tmp:
@@ -131,7 +139,7 @@ def main() -> None:
                         model, a, dataset, r, out, n))  # fmt: skip
                     rows[engine][rate].append(figures(result, work))
                     print(name, rows[engine][rate][-1]["within_slo"], file=sys.stderr, flush=True)
-    table = cells(rows)
+    table = cells(rows, len(work.rows))
     name = "serving_spread" if args.kv_blocks is None else f"serving_kv{args.kv_blocks}_spread"
     emit({
         "name": name,

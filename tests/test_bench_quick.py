@@ -29,28 +29,28 @@ def run_all(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
         "print(json.dumps({'name': 'tiny', 'metric': 'm', 'value': 2.0 if quick else 1.0,"
         " 'quick': quick}))\n"
     )
-    readme = tmp_path / "results.md"
-    readme.write_text(f"x\n{run_all.BEGIN}\nold table\n{run_all.END}\n")
+    table_doc = tmp_path / "results.md"
+    table_doc.write_text(f"x\n{run_all.BEGIN}\nold table\n{run_all.END}\n")
     monkeypatch.setattr(run_all, "BENCH", bench)
     monkeypatch.setattr(run_all, "RESULTS", bench / "results")
-    monkeypatch.setattr(run_all, "TABLE_DOC", readme)
+    monkeypatch.setattr(run_all, "TABLE_DOC", table_doc)
     monkeypatch.setattr(run_all, "QUALITY_DOC", tmp_path / "absent.md")
     monkeypatch.setattr(run_all, "VARIANTS", {})
     return run_all
 
 
-def test_a_quick_run_leaves_full_results_and_readme(run_all: Any, monkeypatch: Any) -> None:
-    results, readme = run_all.RESULTS, run_all.TABLE_DOC
+def test_a_quick_run_leaves_full_results_and_tables(run_all: Any, monkeypatch: Any) -> None:
+    results, table_doc = run_all.RESULTS, run_all.TABLE_DOC
     monkeypatch.setattr(sys, "argv", ["run_all.py"])
     assert run_all.main() == 0
     full = json.loads((results / "tiny.json").read_text())
-    table = readme.read_text()
+    table = table_doc.read_text()
     assert full["value"] == 1.0 and "| tiny | m | 1 " in table
     monkeypatch.setattr(sys, "argv", ["run_all.py", "--quick"])
     assert run_all.main() == 0
     assert json.loads((results / "tiny.json").read_text()) == full  # untouched
     assert json.loads((results / "quick" / "tiny.json").read_text())["value"] == 2.0
-    assert readme.read_text() == table
+    assert table_doc.read_text() == table
 
 
 def test_the_scripts_write_quick_results_apart() -> None:

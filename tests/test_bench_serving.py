@@ -253,23 +253,22 @@ def test_the_spread_judges_a_difference_by_its_standard_error() -> None:
         return [{"within_slo": s, "request_throughput": 0.5, "request_goodput": s / 2,
                  "median_tpot_ms": 80.0, "median_ttft_ms": 900.0} for s in shares]  # fmt: skip
 
-    base = runs([0.9, 0.8, 0.85])
-    close = serving_spread.cells(
-        {"kmesh": {0.6: base}, "kmesh_share": {0.6: runs([0.8, 0.9, 0.8])}}
-    )
+    def pair(base: list[float], other: list[float]) -> dict[str, Any]:
+        return serving_spread.cells({"kmesh": {0.6: runs(base)}, "kmesh_share": {0.6: runs(other)}},
+                                    requests=30)  # fmt: skip
+
+    close = pair([0.9, 0.8, 0.85], [0.8, 0.9, 0.8])
     row = close["compared"]["0.6"]["within_slo"]
     assert row["difference"] == pytest.approx(-1 / 60, abs=1e-3) and row["within_noise"]
     assert serving_spread.value(close) == row["z"] < 0
-    far = serving_spread.cells({"kmesh": {0.6: base}, "kmesh_share": {0.6: runs([0.5, 0.55, 0.5])}})
+    far = pair([0.9, 0.8, 0.85], [0.5, 0.55, 0.5])
     assert not far["compared"]["0.6"]["within_slo"]["within_noise"]
     assert serving_spread.value(far) < -serving_spread.NOISE
-    # no spread on either side: any shortfall counts, and equal figures hold
-    flat = serving_spread.cells({"kmesh": {0.6: runs([0.9, 0.9])},
-                                 "kmesh_share": {0.6: runs([0.9, 0.9])}})  # fmt: skip
-    assert flat["compared"]["0.6"]["request_throughput"]["within_noise"]
-    assert (
-        serving_spread.compare(
-            serving_spread.spread([0.9, 0.9]), serving_spread.spread([0.8, 0.8])
-        )["within_noise"]
-        is False
-    )
+    # no spread on either side: the within-SLO share is judged at one request's resolution
+    assert serving_spread.value(pair([0.9, 0.9], [0.9, 0.9])) == 0.0
+    short = pair([0.9, 0.9], [0.8, 0.8])
+    assert serving_spread.value(short) < -serving_spread.NOISE
+    assert not short["compared"]["0.6"]["within_slo"]["within_noise"]
+    assert short["compared"]["0.6"]["request_throughput"]["within_noise"]  # equal, no spread
+    flat = [serving_spread.spread([0.5, 0.5]), serving_spread.spread([0.4, 0.4])]
+    assert serving_spread.compare(*flat)["within_noise"] is False

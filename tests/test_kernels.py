@@ -144,8 +144,9 @@ def test_plain_torch_gather_reads_what_the_reference_reads(layout: str, dtype: t
         assert torch.equal(gather_paged(cache, slots, bs), want)
     # a view into a larger tensor (K and V of one cache): offsets stay the view's own
     both = torch.randn(2, blocks, 3, bs, 32, generator=GEN).to(dtype)
-    slots = torch.randperm(blocks * bs, generator=GEN)[:40]
-    assert torch.equal(gather_paged(both[1], slots, bs), gather_paged(both[1], slots, bs, "torch"))
+    for slots in (torch.randperm(blocks * bs, generator=GEN)[:40], torch.tensor([last, 0, 3])):
+        want = gather_paged(both[1], slots, bs, "torch")  # whole blocks, then scattered rows
+        assert torch.equal(gather_paged(both[1], slots, bs), want)
 
 
 def test_launchers_validate_inputs() -> None:

@@ -8,6 +8,8 @@ of one key: the operand of the bf16 dot-product instruction. Values: pairs of ke
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = ["pair_value_rows", "pair_values", "tile_key_rows", "tile_keys", "unpair_values",
@@ -67,7 +69,7 @@ def pair_value_rows(v: torch.Tensor) -> torch.Tensor:
     if size % 2:
         v = torch.cat((v, v.new_zeros(*lead, 1, heads, dim)), dim=-3)
     b = len(lead)
-    if v.element_size() == 2:
+    if v.element_size() == 2 and sys.byteorder == "little":  # row 2j in a word's low half
         bits = v.view(torch.int16)
         low, high = bits[..., 0::2, :, :], bits[..., 1::2, :, :]
         words = (low.to(torch.int32) & 0xFFFF) | (high.to(torch.int32) << 16)
