@@ -81,6 +81,9 @@ WITHIN = 0.9  # share of requests within the SLO for a rate to count as sustaine
 # scheduler process, and one more whenever a kv_transfer_config is set: on 2 cores it then
 # reserves none and a KMesh server's worker would run on both cores where stock's runs on one.
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+# (families, agents per family, document tokens, output tokens) of --quick and of a full run
+QUICK_WORK: tuple[int, int, tuple[int, int], int] = (2, 3, (300, 500), 8)
+FULL_WORK: tuple[int, int, tuple[int, int], int] = (6, 5, (900, 1600), 32)
 WARM_UP = "Say hello.<file_sep>A short note to warm the server up.<file_sep>Reply with one word."
 
 
@@ -116,6 +119,31 @@ def one_run(
         counters["server_start_s"] = round(server.start_s, 1)
         counters["worker_cores"] = server.worker_cores()
     return result, counters
+
+
+def chosen_engines(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """``--engines``: the comma-separated names, each one of `ENGINES` (else the parser's
+    error)."""
+    engines = [e for e in text.split(",") if e]
+    if unknown := set(engines) - set(ENGINES):
+        parser.error(f"--engines: unknown {sorted(unknown)}; known: {list(ENGINES)}")
+    return engines
+
+
+def workload(quick: bool) -> tuple[str, Any, Workload]:
+    """SmolLM2's path, its tokenizer and the agent families of `QUICK_WORK` / `FULL_WORK`."""
+    from transformers import AutoTokenizer
+
+    from kmesh_blend.testing import smollm2_checkpoint
+
+    model = str(smollm2_checkpoint())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return model, tokenizer, agent_families(tokenizer, *(QUICK_WORK if quick else FULL_WORK))
+
+
+def runs_folder(kv_blocks: int | None) -> Path:
+    """Where the runs of a KV budget are kept (vLLM's default: None)."""
+    return RESULTS / ("serving_runs" if kv_blocks is None else f"serving_kv{kv_blocks}_runs")
 
 
 def figures(result: dict[str, Any], work: Workload) -> dict[str, Any]:
@@ -218,22 +246,10 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, help="tight KV budget in blocks (all engines)")
     parser.add_argument("--from-results", type=Path, help="reuse the runs kept here, run the rest")
     args = parser.parse_args()
-    engines = [e for e in args.engines.split(",") if e]
-    if unknown := set(engines) - set(ENGINES):
-        parser.error(f"--engines: unknown {sorted(unknown)}; known: {list(ENGINES)}")
-    if args.quick:
-        families, agents, docs, tokens, rates, exact = 2, 3, (300, 500), 8, [0.3, 1.0], 3
-    else:
-        families, agents, docs, tokens, rates, exact = 6, 5, (900, 1600), 32, [
-            0.075, 0.15, 0.3, 0.6, 0.9], 10  # fmt: skip
+    engines = chosen_engines(parser, args.engines)
+    rates, exact = ([0.3, 1.0], 3) if args.quick else ([0.075, 0.15, 0.3, 0.6, 0.9], 10)
     rates, exact = args.rates or rates, args.exact_requests or exact
-    from transformers import AutoTokenizer
-
-    from kmesh_blend.testing import smollm2_checkpoint
-
-    model = str(smollm2_checkpoint())
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    work = agent_families(tokenizer, families, agents, docs, tokens)
+    model, tokenizer, work = workload(args.quick)
     if args.write_workload:
         work.write(args.write_workload)
         print(f"wrote {len(work.rows)} requests to {args.write_workload}")
@@ -241,11 +257,9 @@ def main() -> None:
     allocator = use_allocator("tcmalloc")
     sep = separator_id(tokenizer)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    folder = RESULTS / (
-        "serving_runs" if args.kv_blocks is None else f"serving_kv{args.kv_blocks}_runs"
-    )
     platform = {"cpu": cpu_flags(), "attn_isa": attn_isa("bfloat16", BLOCK_SIZE)}
-    runs = Runs(args.from_results or folder, platform, replay=args.from_results is not None)
+    runs = Runs(args.from_results or runs_folder(args.kv_blocks), platform,
+                replay=args.from_results is not None)  # fmt: skip
     table: dict[str, dict[float, dict[str, Any]]] = {e: {} for e in engines}
     cores: dict[str, str] = {}  # worker cores → the first run that had them
     with tempfile.TemporaryDirectory(prefix="kmesh-serving-") as tmp:

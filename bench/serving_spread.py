@@ -32,9 +32,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, cpu_flags, emit, progress, use_allocator
-from _serving import BLOCK_SIZE, Runs, agent_families, attn_isa, parse_rates, separator_id
-from serving import ENGINES, SLO, engine_args, figures, one_run
+from _common import cpu_flags, emit, progress, use_allocator
+from _serving import BLOCK_SIZE, Runs, attn_isa, parse_rates, separator_id
+from serving import (
+    ENGINES,
+    SLO,
+    chosen_engines,
+    engine_args,
+    figures,
+    one_run,
+    runs_folder,
+    workload,
+)
 
 PAIR = ("kmesh", "kmesh_share")  # (baseline, engine judged against it)
 FIGURES = ("within_slo", "request_throughput", "request_goodput", "median_tpot_ms",
@@ -101,29 +110,16 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, help="tight KV budget in blocks (all engines)")
     parser.add_argument("--reuse", action="store_true", help="read back kept runs (same code)")
     args = parser.parse_args()
-    engines = [e for e in args.engines.split(",") if e]
-    if unknown := set(engines) - set(ENGINES):
-        parser.error(f"--engines: unknown {sorted(unknown)}; known: {list(ENGINES)}")
-    if args.quick:
-        families, agents, docs, tokens, rates, repeats = 2, 3, (300, 500), 8, [1.0], 2
-    else:
-        families, agents, docs, tokens, rates, repeats = 6, 5, (900, 1600), 32, [0.6, 0.9], 3
+    engines = chosen_engines(parser, args.engines)
+    rates, repeats = ([1.0], 2) if args.quick else ([0.6, 0.9], 3)
     rates, repeats = args.rates or rates, args.repeats or repeats
     if repeats < 2:
         parser.error(f"--repeats: {repeats}; a spread needs at least 2 runs")
-    from transformers import AutoTokenizer
-
-    from kmesh_blend.testing import smollm2_checkpoint
-
-    model = str(smollm2_checkpoint())
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    work = agent_families(tokenizer, families, agents, docs, tokens)
+    model, tokenizer, work = workload(args.quick)
     allocator = use_allocator("tcmalloc")
     sep = separator_id(tokenizer)
-    folder = RESULTS / ("serving_runs" if args.kv_blocks is None
-                        else f"serving_kv{args.kv_blocks}_runs")  # fmt: skip
     platform = {"cpu": cpu_flags(), "attn_isa": attn_isa("bfloat16", BLOCK_SIZE)}
-    runs = Runs(folder, platform, replay=args.reuse)
+    runs = Runs(runs_folder(args.kv_blocks), platform, replay=args.reuse)
     rows: dict[str, dict[float, list[dict[str, Any]]]] = {e: {r: [] for r in rates}
                                                           for e in engines}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kmesh-spread-") as tmp:
@@ -153,8 +149,9 @@ def main() -> None:
             "model": "SmolLM2-135M-Instruct (bf16)", "client": "vllm.benchmarks.serve",
             "slo_ms": SLO, "allocator": allocator, "attn_isa": platform["attn_isa"],
             "cpu": platform["cpu"], "block_size": BLOCK_SIZE, "kv_blocks": args.kv_blocks,
-            "families": families, "agents": agents, "requests": len(work.rows),
-            "document_tokens": list(work.document_tokens), "output_tokens": tokens,
+            "families": len(set(work.family)), "agents": max(work.agent) + 1,
+            "requests": len(work.rows), "document_tokens": list(work.document_tokens),
+            "output_tokens": work.rows[0]["output_tokens"],
             "repeats": repeats, "noise_se": NOISE, "cells": table,
         },
     })  # fmt: skip

@@ -18,13 +18,7 @@ __all__ = ["pair_value_rows", "pair_values", "tile_key_rows", "tile_keys", "unpa
 
 def tile_keys(k_t: torch.Tensor) -> torch.Tensor:
     """k_t [..., D, S] (keys transposed) → [..., ceil(S/16), D/2, 16, 2], contiguous."""
-    *lead, dim, size = k_t.shape
-    pad = -size % 16
-    if pad:
-        k_t = torch.cat((k_t, k_t.new_zeros(*lead, dim, pad)), dim=-1)
-    tiles = k_t.reshape(*lead, dim // 2, 2, (size + pad) // 16, 16)
-    b = len(lead)
-    return tiles.permute(*range(b), b + 2, b, b + 3, b + 1).contiguous()
+    return tile_key_rows(k_t.transpose(-1, -2).unsqueeze(-2)).squeeze(-5)
 
 
 def untile_keys(tiled: torch.Tensor, size: int) -> torch.Tensor:
@@ -37,10 +31,7 @@ def untile_keys(tiled: torch.Tensor, size: int) -> torch.Tensor:
 
 def pair_values(v: torch.Tensor) -> torch.Tensor:
     """v [..., S, D] → [..., ceil(S/2), D, 2], contiguous."""
-    *lead, size, dim = v.shape
-    if size % 2:
-        v = torch.cat((v, v.new_zeros(*lead, 1, dim)), dim=-2)
-    return v.reshape(*lead, (size + 1) // 2, 2, dim).transpose(-1, -2).contiguous()
+    return pair_value_rows(v.unsqueeze(-2)).squeeze(-4)
 
 
 def tile_key_rows(k: torch.Tensor) -> torch.Tensor:
