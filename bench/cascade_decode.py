@@ -21,7 +21,9 @@ config.unannotated_vs_stock = their median decode-step time on the cascade engin
 (two engines one after the other, so it carries this machine's drift between them: ±15 %).
 config.bytes_model: KV bytes read per decode step (all layers), off = Σ_r context_r rows; on =
 one read of D's master + Σ_r (context_r − rows it reads from the master), at the KV dtype (as
-the CPU kernel reads them; the torch fallback reads fp32 copies), next to the weights' bytes.
+the CPU kernel reads them; the torch fallback reads fp32 copies), next to the weights' bytes;
+limit_ratio = (weights + on) / (weights + off), the step ratio a step bound by memory reaches;
+shared_level_ms: the shared level alone per step (the CPU kernel on either level, every layer).
 
 ``--speed-guard off`` (default) measures the raw path; ``auto`` runs the cascade engine with the
 speed guard at the engine's default (result ``cascade_decode_guard``): the family decodes
@@ -164,14 +166,21 @@ def main() -> None:
     fell_back = [r.get("fallback") or r.get("cascade_off") for r in reports]
     cascaded = [int(r.get("cascade_steps", 0)) for r in reports]
     model = _bytes_model(path, args.dtype, family, reports, doc_len, decode_steps)
+    model["shared_level_ms"] = _shared_level_ms(path, len(family), doc_len)
     for k, v in med.items():
         print(f"{k:12s} median decode step {v * 1e3:8.2f} ms  ({len(family) / v:7.1f} tok/s)")
     print(f"cascade on / off = {value:.3f} (rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
     print(f"unannotated: cascade engine / stock = {plain:.3f}, path on / paused = {hook:.3f}")
     print(
         f"bytes per step: off {model['off_MiB']:.1f} MiB, on {model['on_MiB']:.1f} MiB "
-        f"({model['ratio']:.3f}x), weights {model['weights_MiB']:.1f} MiB"
+        f"({model['ratio']:.3f}x), weights {model['weights_MiB']:.1f} MiB; with the weights "
+        f"{model['limit_ratio']:.3f}x (the bytes limit of the step ratio)"
     )
+    if model["shared_level_ms"]:
+        level = model["shared_level_ms"]
+        print(f"shared level alone, one step over every layer (bf16, the kernel alone, from "
+              f"evicted caches): loops {level['loops']:.2f} ms, matrix products "
+              f"{level['gemm']:.2f} ms")  # fmt: skip
     kept_out = [str(r).startswith("speed guard") for r in fell_back]
     if args.speed_guard == "auto" and all(kept_out) and not any(cascaded):
         print(f"the speed guard kept the family on vLLM's kernel: {fell_back[0]}")
@@ -292,9 +301,32 @@ def _bytes_model(
         "off_MiB": off / mib,
         "on_MiB": on / mib,
         "ratio": on / off,
+        # the step's bytes with weights: what a step bound by memory could at best gain
+        "limit_ratio": (weights + on) / (weights + off),
         "weights_MiB": weights / mib,
         "row_bytes": row,
     }
+
+
+def _shared_level_ms(path: Path, family: int, rows: int) -> dict[str, float] | None:
+    """One decode step of the shared level alone (every layer): the CPU kernel's call for
+    ``family`` readers of a ``rows``-row master (16 own rows each), on either level
+    (`kmesh_blend.cpu.level.time_levels`, bf16, from evicted caches) × the model's layers;
+    None where the kernel is not built."""
+    import json
+
+    from kmesh_blend.cpu import cascade_decode_op
+    from kmesh_blend.cpu.level import time_levels
+
+    kernel, _ = cascade_decode_op()
+    if kernel is None:
+        return None
+    cfg = json.loads((path / "config.json").read_text())
+    heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // heads[0]
+    timing = time_levels(kernel, (*heads, dim), family=family, rows=rows)
+    layers = cfg["num_hidden_layers"]
+    return {"loops": timing.loops_s * 1e3 * layers, "gemm": timing.gemm_s * 1e3 * layers}
 
 
 def _numel(shape: list[int]) -> int:

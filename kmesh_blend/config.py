@@ -33,6 +33,7 @@ Schedule = Literal["layer_sync", "sequential"]
 Deviation = Literal["k", "v", "kv"]
 Drift = Literal["off", "auto"]  # = rules.DRIFTS
 Guard = Literal["auto", "off"]
+Level = Literal["auto", "loops", "gemm"]  # = cpu.level.LEVELS
 
 PREFIX = "kmesh."
 
@@ -155,6 +156,12 @@ class KMeshConfig:
     wait for blocks and sharing pays (`kmesh_blend/vllm/speed_guard.py`; each decision, with its
     figures, in one log line, the reports and ``/metrics``). ``off`` trusts the settings (tests
     and benchmarks of the raw path)."""
+    cascade_level: Level = "auto"
+    """With ``cascade_decode`` on the CPU kernel and a bf16 cache: how a master is read.
+    ``loops``: AVX-512 vector loops; ``gemm``: bf16 matrix products with fp32 sums (torch's
+    micro-kernels: AMX tiles where the CPU has them); ``auto`` times both at engine start on
+    this engine's heads and keeps the faster (`kmesh_blend/cpu/level.py`; the log line says
+    which, with its figures)."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -242,6 +249,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "deviation": get_args(Deviation),
     "drift_correction": get_args(Drift),
     "speed_guard": get_args(Guard),
+    "cascade_level": get_args(Level),
 }
 _INT_MINIMA = {
     "round_lifetime": 1,

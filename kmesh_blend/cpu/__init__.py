@@ -1,4 +1,5 @@
-"""CPU kernels in C++ (AVX-512), compiled on first use; public API: `cascade_decode_op`.
+"""CPU kernels in C++ (AVX-512), compiled on first use; public API: `cascade_decode_op`,
+`verify_rows_op` (arming a cascade reader: its rows against a master, `verify_rows.cpp`).
 
 A family's decode attention on this CPU is bound by arithmetic (vLLM's fused CPU kernel reaches
 ≈ 31 GFLOP/s on it), and cascade does the same arithmetic as per-request attention; what it
@@ -22,11 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cascade_decode_op", "cpu_flags", "cpu_kernel_expected"]
+__all__ = ["cascade_decode_op", "cpu_flags", "cpu_kernel_expected", "verify_rows_op"]
 
 log = logging.getLogger("kmesh_blend.cpu")
 
-_SOURCE = Path(__file__).with_name("cascade_decode.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cascade_decode.cpp", "verify_rows.cpp")]
 _NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 _NAME = "kmesh_cpu_cascade"
@@ -72,6 +73,14 @@ def cascade_decode_op() -> tuple[Callable[..., Any] | None, str | None]:
     return _loaded
 
 
+def verify_rows_op() -> Callable[..., Any] | None:
+    """``torch.ops.kmesh_cpu.verify_rows`` (`verify_rows.cpp`: a reader's paged rows against a
+    master in one pass) once the kernels are built, else None (callers keep torch ops)."""
+    import torch
+
+    return torch.ops.kmesh_cpu.verify_rows if cascade_decode_op()[0] is not None else None
+
+
 def _load() -> tuple[Callable[..., Any] | None, str | None]:
     if os.environ.get("KMESH_CPU_KERNELS", "1") == "0":
         return None, "KMESH_CPU_KERNELS=0"
@@ -85,7 +94,7 @@ def _load() -> tuple[Callable[..., Any] | None, str | None]:
         _drop_stale_lock(Path(_get_build_directory(_NAME, verbose=False)) / "lock")
         load(
             name=_NAME,
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,

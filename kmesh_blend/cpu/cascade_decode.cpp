@@ -10,9 +10,13 @@
 // products summed in fp32); the operands bf16 does not hold — queries rotated into a master's
 // frame, softmax probabilities — go in as two bf16 terms (value, then what its rounding left), so
 // the products are as exact as fp32 on the stored K/V.
+// A bf16 master held in chunks ([Hkv, chunks, D, W] keys, [Hkv, chunks, W, D] values) is read by
+// matrix products instead (run_gemm_item: torch's brgemm, AMX tiles where present), the same
+// two-term operands and fp32 sums; kmesh_blend/cpu/level.py chooses which layout a master gets.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <torch/library.h>
@@ -20,6 +24,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -78,6 +83,11 @@ struct Item {
   const T* v;
   int j0, j1;
   float* state;
+  // GEMM level (a master in chunks, bf16): the item's query rows as one bf16 matrix [rows, D]
+  // (then, when ``split``, what their rounding left, [rows, D]), k: the chunk's K^T [D, ld],
+  // v: its V [ld, D] (ld: the chunk width; both packed for the matrix units where torch packs).
+  const bf16* qa = nullptr;
+  int ld = 0;
 };
 
 // Rows i0.. of one 16-key tile at j: scores = scale * acc + the row's bias (masked lanes left).
@@ -200,6 +210,80 @@ void value_tile(const Item<float>& it, int i0, const float* probs, int lds) {
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(it.state + (i0 + i) * (2 + D) + 2 + 16 * c, acc[i][c]);
 }
 
+// Each of ``rows`` score rows (``width`` scores, row stride ``lds``, a multiple of 16) becomes
+// e^(s - max), zero past ``width``; state row i (stride 2 + D) gets (max, sum).
+inline void softmax_rows(float* scores, int rows, int width, int lds, float* state, int D) {
+  for (int i = 0; i < rows; ++i) {
+    float* s = scores + i * lds;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < width; j += 16) mx = _mm512_mask_max_ps(mx, lanes(width - j), mx, _mm512_loadu_ps(s + j));
+    const float top = _mm512_reduce_max_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < width; j += 16) {
+      const __mmask16 m = lanes(width - j);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(top))));
+      _mm512_storeu_ps(s + j, e);  // zero past the last key
+      sum = _mm512_add_ps(sum, e);
+    }
+    state[i * (2 + D)] = top;
+    state[i * (2 + D) + 1] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+// fp32 x -> (bf16 hi, bf16 lo) with hi + lo = x to about 2^-16 relative, n values.
+inline void split_bf16(const float* x, bf16* hi, bf16* lo, int n) {
+  for (int j = 0; j < n; j += 16) {
+    const __mmask16 m = lanes(n - j);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + j);
+    const __m256bh h = _mm512_cvtneps_pbh(v);
+    const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+    _mm256_mask_storeu_epi16(hi + j, m, (__m256i)h);
+    if (lo) _mm256_mask_storeu_epi16(lo + j, m, (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, back)));
+  }
+}
+
+// One chunk of a master as two matrix products (torch's brgemm: oneDNN's micro-kernels, on AMX
+// tiles where the CPU has them, AVX-512 BF16 elsewhere): scores = Q K^T, softmax in fp32, then
+// P V, both with fp32 sums. Operands bf16 does not hold (queries rotated into the master's
+// frame, probabilities) enter as two bf16 rows each when ``split`` (a master level always:
+// value, then what its rounding left; the halves' products are added in fp32), so the products
+// keep fp32 operands to about 2^-16, as the vector loops do: twice the products, one contract. ``packed``: k and v are in torch's packed layout.
+template <int NC>
+void run_gemm_item(const Item<bf16>& it, float scale, bool packed, std::vector<float>& buf,
+                   std::vector<bf16>& probs) {
+  constexpr int D = 16 * NC;
+  const int rows = it.rows, m = it.split ? 2 * rows : rows;
+  const int width = it.j1 - it.j0, even = (width + 1) & ~1, lds = (width + 15) & ~15;
+  buf.resize(static_cast<size_t>(m) * lds + static_cast<size_t>(m) * D);
+  float* scores = buf.data();
+  float* outs = scores + static_cast<size_t>(m) * lds;
+  at::native::cpublas::brgemm(m, width, D, D, it.ld, lds, false, it.qa, it.k, scores, packed);
+  for (int i = 0; i < rows; ++i) {
+    float* s = scores + i * lds;
+    const float* lo = scores + (rows + i) * lds;
+    const float* b = it.bias[i] + it.j0;
+    for (int j = 0; j < width; j += 16) {
+      const __mmask16 k = lanes(width - j);
+      __m512 x = _mm512_maskz_loadu_ps(k, s + j);
+      if (it.split) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(k, lo + j));
+      _mm512_mask_storeu_ps(s + j, k, _mm512_fmadd_ps(x, _mm512_set1_ps(scale), _mm512_maskz_loadu_ps(k, b + j)));
+    }
+  }
+  softmax_rows(scores, rows, width, lds, it.state, D);
+  probs.assign(static_cast<size_t>(m) * even, bf16(0.f));
+  for (int i = 0; i < rows; ++i)
+    split_bf16(scores + i * lds, probs.data() + i * even, it.split ? probs.data() + (rows + i) * even : nullptr, width);
+  at::native::cpublas::brgemm(m, D, even, even, D, D, false, probs.data(), it.v, outs, packed);
+  for (int i = 0; i < rows; ++i) {
+    float* dst = it.state + i * (2 + D) + 2;
+    for (int c = 0; c < NC; ++c) {
+      __m512 x = _mm512_loadu_ps(outs + i * D + 16 * c);
+      if (it.split) x = _mm512_add_ps(x, _mm512_loadu_ps(outs + (rows + i) * D + 16 * c));
+      _mm512_storeu_ps(dst + 16 * c, x);
+    }
+  }
+}
+
 template <typename T, int NC>
 void run_item(const Item<T>& it, float scale, std::vector<float>& buf) {
   constexpr int D = 16 * NC;
@@ -215,21 +299,7 @@ void run_item(const Item<T>& it, float scale, std::vector<float>& buf) {
 #undef KMESH_SCORE
     }
   }
-  for (int i = 0; i < it.rows; ++i) {
-    float* s = scores + i * lds;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int j = 0; j < width; j += 16) mx = _mm512_mask_max_ps(mx, lanes(width - j), mx, _mm512_loadu_ps(s + j));
-    const float top = _mm512_reduce_max_ps(mx);
-    __m512 sum = _mm512_setzero_ps();
-    for (int j = 0; j < width; j += 16) {
-      const __mmask16 m = lanes(width - j);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(top))));
-      _mm512_storeu_ps(s + j, e);  // zero past the last key
-      sum = _mm512_add_ps(sum, e);
-    }
-    it.state[i * (2 + D)] = top;
-    it.state[i * (2 + D) + 1] = _mm512_reduce_add_ps(sum);
-  }
+  softmax_rows(scores, it.rows, width, lds, it.state, D);
   constexpr int R2 = NC <= 4 ? 4 : 2;
   for (int i0 = 0; i0 < it.rows; i0 += R2) {
     switch (std::min(R2, it.rows - i0)) {
@@ -297,6 +367,22 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
     const bf16 ra(qf[2 * i] - static_cast<float>(a)), rb(qf[2 * i + 1] - static_cast<float>(b));
     qp[rows * D / 2 + i] = static_cast<uint32_t>(ra.x) | (static_cast<uint32_t>(rb.x) << 16);
   }
+  // GEMM levels (masters in chunks): per (master, KV head) the n * G query rows as one bf16
+  // matrix, then (split) what their rounding left.
+  const int64_t G2 = 2 * n * G;
+  std::vector<bf16> qa;
+  bool any_gemm = false;
+  for (int64_t g = 0; g < M; ++g) any_gemm = any_gemm || master_k[g].dim() == 4;
+  if (any_gemm) {
+    qa.resize(static_cast<size_t>(M * Hkv * G2 * D));
+    for (int64_t g = 0; g < M; ++g)
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t i = 0; i < G; ++i) {
+            bf16* dst = qa.data() + ((g * Hkv + h) * G2 + r * G + i) * D;
+            split_bf16(qf.data() + (((1 + g) * n + r) * H + h * G + i) * D, dst, dst + n * G * D, D);
+          }
+  }
   // Work items: own rows per (request, KV head); each master per (KV head, chunk of keys).
   std::vector<Item<T>> items;
   std::vector<int64_t> first_chunk(M + 1, 0);  // item index of master g's first chunk
@@ -326,8 +412,10 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
     const int64_t S = master_bias[g].size(1), S16 = master_k[g].size(1), S2 = master_v[g].size(1);
     const float* mb = master_bias[g].data_ptr<float>();
     const int64_t mbs = master_bias[g].stride(0);
+    const bool gemm = master_k[g].dim() == 4;  // [Hkv, chunks, D, width]: chunk j is a GEMM
+    const int64_t step = gemm ? master_k[g].size(3) : kChunk;
     for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t j0 = 0; j0 < S; j0 += kChunk) {
+      for (int64_t j0 = 0; j0 < S; j0 += step) {
         Item<T> it{};
         it.rows = static_cast<int>(n * G);
         for (int64_t r = 0; r < n; ++r)
@@ -338,7 +426,14 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
         it.k = master_k[g].data_ptr<T>() + h * S16 * 16 * D;
         it.v = master_v[g].data_ptr<T>() + h * S2 * D * 2;
         it.j0 = static_cast<int>(j0);
-        it.j1 = static_cast<int>(std::min<int64_t>(S, j0 + kChunk));
+        it.j1 = static_cast<int>(std::min<int64_t>(S, j0 + step));
+        if (gemm) {
+          const int64_t chunk = h * S16 + j0 / step;  // S16: the chunk count here
+          it.k = master_k[g].data_ptr<T>() + chunk * D * step;
+          it.v = master_v[g].data_ptr<T>() + chunk * step * D;
+          it.ld = static_cast<int>(step);
+          it.qa = reinterpret_cast<const bf16*>(qa.data()) + (g * Hkv + h) * G2 * D;
+        }
         items.push_back(it);
       }
   }
@@ -347,12 +442,25 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
   for (size_t i = 0; i < items.size(); ++i) state_at[i + 1] = state_at[i] + items[i].rows * (2 + D);
   std::vector<float> states(static_cast<size_t>(state_at.back()));
   for (size_t i = 0; i < items.size(); ++i) items[i].state = states.data() + state_at[i];
+  const bool packed = any_gemm && at::native::cpublas::could_pack(at::kBFloat16);
   std::atomic<int64_t> next{0};
   const int64_t total = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(total, at::get_num_threads())))
   {
     std::vector<float> buf;
-    for (int64_t i = next++; i < total; i = next++) run_item<T, NC>(items[i], static_cast<float>(scale), buf);
+    std::vector<bf16> probs;
+    bool gemm_ran = false;
+    for (int64_t i = next++; i < total; i = next++) {
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (items[i].qa != nullptr) {
+          run_gemm_item<NC>(items[i], static_cast<float>(scale), packed, buf, probs);
+          gemm_ran = true;
+          continue;
+        }
+      }
+      run_item<T, NC>(items[i], static_cast<float>(scale), buf);
+    }
+    if (gemm_ran && packed) at::native::cpublas::brgemm_release(true);  // the tile state
   }
   // Merge per (request, query head): own state, then every chunk of every master.
   T* o = out.data_ptr<T>();
@@ -431,11 +539,19 @@ void cascade_decode(at::Tensor out, at::Tensor tokens, at::Tensor query, at::Ten
   check(master_v.size() == master_k.size() && master_bias.size() == master_k.size() &&
             rotations.size() == master_k.size(), "one v, bias and rotation per master");
   for (int64_t g = 0; g < M; ++g) {
-    check(master_k[g].dim() == 5 && master_k[g].scalar_type() == X && master_v[g].scalar_type() == X, "masters: query's dtype");
+    check(master_k[g].scalar_type() == X && master_v[g].scalar_type() == X, "masters: query's dtype");
     check(master_bias[g].dim() == 2, "master bias: [n, S]");
     const int64_t S = master_bias[g].size(1);
-    check(master_k[g].is_contiguous() && master_k[g].sizes() == at::IntArrayRef({Hkv, (S + 15) / 16, D / 2, 16, 2}), "master k: contiguous [Hkv, ceil(S/16), D/2, 16, 2]");
-    check(master_v[g].is_contiguous() && master_v[g].sizes() == at::IntArrayRef({Hkv, (S + 1) / 2, D, 2}), "master v: contiguous [Hkv, ceil(S/2), D, 2]");
+    if (master_k[g].dim() == 4) {  // chunks for the GEMM level
+      check(X == at::kBFloat16, "masters in chunks (the GEMM level) are bfloat16");
+      const int64_t W = master_k[g].size(3), chunks = master_k[g].size(1);
+      check(W >= 2 && W % 2 == 0 && chunks == (S + W - 1) / W, "master chunks: an even width W, ceil(S/W) chunks");
+      check(master_k[g].is_contiguous() && master_k[g].sizes() == at::IntArrayRef({Hkv, chunks, D, W}), "master k: contiguous [Hkv, ceil(S/W), D, W]");
+      check(master_v[g].is_contiguous() && master_v[g].sizes() == at::IntArrayRef({Hkv, chunks, W, D}), "master v: contiguous [Hkv, ceil(S/W), W, D]");
+    } else {
+      check(master_k[g].dim() == 5 && master_k[g].is_contiguous() && master_k[g].sizes() == at::IntArrayRef({Hkv, (S + 15) / 16, D / 2, 16, 2}), "master k: contiguous [Hkv, ceil(S/16), D/2, 16, 2]");
+      check(master_v[g].is_contiguous() && master_v[g].sizes() == at::IntArrayRef({Hkv, (S + 1) / 2, D, 2}), "master v: contiguous [Hkv, ceil(S/2), D, 2]");
+    }
     check(master_bias[g].scalar_type() == at::kFloat && master_bias[g].size(0) == n && master_bias[g].size(1) == S &&
               master_bias[g].stride(1) == 1, "master bias: fp32 [n, S], unit column stride");
     check(rotations[g].scalar_type() == at::kFloat && rotations[g].is_contiguous() &&
@@ -466,4 +582,32 @@ void cascade_decode(at::Tensor out, at::Tensor tokens, at::Tensor query, at::Ten
   }
 }
 
-TORCH_LIBRARY(kmesh_cpu, m) { m.def("cascade_decode", &cascade_decode); }
+// A master's chunks (bf16 k [L, Hkv, C, D, W], v [L, Hkv, C, W, D], contiguous) in the layout
+// the GEMM level reads: torch's packed layout where the platform packs (AMX), else as given.
+std::vector<at::Tensor> gemm_layout(at::Tensor k, at::Tensor v) {
+  check(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && k.dim() == 5 && v.dim() == 5 &&
+            k.is_contiguous() && v.is_contiguous(), "gemm_layout: contiguous bf16 k [L, Hkv, C, D, W], v [L, Hkv, C, W, D]");
+  const int64_t D = k.size(3), W = k.size(4), blocks = k.numel() / (D * W);
+  check(v.size(3) == W && v.size(4) == D && v.numel() == k.numel() && W % 2 == 0, "gemm_layout: v [.., W, D], W even");
+  if (!at::native::cpublas::could_pack(at::kBFloat16)) return {k, v};
+  at::Tensor pk = at::empty_like(k), pv = at::empty_like(v);
+  const auto* ik = k.data_ptr<at::BFloat16>();
+  const auto* iv = v.data_ptr<at::BFloat16>();
+  auto* ok = pk.data_ptr<at::BFloat16>();
+  auto* ov = pv.data_ptr<at::BFloat16>();
+  at::parallel_for(0, blocks, 1, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      at::native::cpublas::pack(D, W, W, W, at::kBFloat16, at::kBFloat16, ik + i * D * W, ok + i * D * W);
+      at::native::cpublas::pack(W, D, D, D, at::kBFloat16, at::kBFloat16, iv + i * D * W, ov + i * D * W);
+    }
+  });
+  return {pk, pv};
+}
+
+bool gemm_packed() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+TORCH_LIBRARY(kmesh_cpu, m) {
+  m.def("cascade_decode", &cascade_decode);
+  m.def("gemm_layout", &gemm_layout);
+  m.def("gemm_packed", &gemm_packed);
+}

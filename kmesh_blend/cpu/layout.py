@@ -4,6 +4,11 @@ Keys: tiles of 16 keys by pairs of dimensions, [..., ceil(S/16), D/2, 16, 2]: a 
 is one contiguous run (2 KiB at D = 64 in bf16), and each 32-bit word holds dimensions (2i, 2i+1)
 of one key: the operand of the bf16 dot-product instruction. Values: pairs of keys,
 [..., ceil(S/2), D, 2]: each 32-bit word holds (v_j[e], v_{j+1}[e]). Padding rows are zeros.
+
+A master read by matrix products (the GEMM level) is held in chunks of W keys instead:
+keys [..., Hkv, ceil(S/W), D, W] (each chunk K^T, row-major) and values [..., Hkv, ceil(S/W), W, D],
+zero rows past S; `gemm_chunks` then packs them where torch's matrix micro-kernels want
+them packed (AMX tiles), else leaves them as they are.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ import sys
 
 import torch
 
-__all__ = ["pair_value_rows", "pair_values", "tile_key_rows", "tile_keys", "unpair_values",
-           "untile_keys"]  # fmt: skip
+__all__ = ["CHUNK", "chunk_rows", "chunk_width", "gemm_chunks", "pair_value_rows", "pair_values",
+           "tile_key_rows", "tile_keys", "unpair_values", "untile_keys"]  # fmt: skip
+
+CHUNK = 256  # keys per GEMM chunk: two threads get work from a family of a 512-token master
 
 
 def tile_keys(k_t: torch.Tensor) -> torch.Tensor:
@@ -74,3 +81,35 @@ def unpair_values(paired: torch.Tensor, size: int) -> torch.Tensor:
     """The inverse of `pair_values`: [..., P, D, 2] → v [..., size, D]."""
     *lead, pairs, dim, _ = paired.shape
     return paired.transpose(-1, -2).reshape(*lead, 2 * pairs, dim)[..., :size, :]
+
+
+def chunk_width(size: int) -> int:
+    """Keys per chunk for a master of ``size`` rows: `CHUNK`, or fewer (a multiple of 16) for a
+    shorter master, so that padding stays under 16 rows there."""
+    return min(CHUNK, max(16, -(-size // 16) * 16))
+
+
+def chunk_rows(k: torch.Tensor, v: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows as stored, k / v [..., S, Hkv, D] → keys [..., Hkv, C, D, W] and values
+    [..., Hkv, C, W, D], C = ceil(S / W) chunks of W = ``width`` keys, contiguous, zero rows
+    past S; the same dtype and elements."""
+    *lead, size, heads, dim = k.shape
+    pad = -size % width
+    if pad:
+        k = torch.cat((k, k.new_zeros(*lead, pad, heads, dim)), dim=-3)
+        v = torch.cat((v, v.new_zeros(*lead, pad, heads, dim)), dim=-3)
+    b, chunks = len(lead), (size + pad) // width
+    k = k.reshape(*lead, chunks, width, heads, dim)
+    v = v.reshape(*lead, chunks, width, heads, dim)
+    keys = k.permute(*range(b), b + 2, b, b + 3, b + 1).contiguous()
+    values = v.permute(*range(b), b + 2, b, b + 1, b + 3).contiguous()
+    return keys, values
+
+
+def gemm_chunks(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A master's bf16 rows k / v [L, S, Hkv, D] in the GEMM level's layout: `chunk_rows` at
+    `chunk_width`, packed by torch where its matrix micro-kernels want packed operands (the CPU
+    kernel must be built: `kmesh_blend.cpu.cascade_decode_op`)."""
+    keys, values = chunk_rows(k, v, chunk_width(int(k.shape[-3])))
+    packed = torch.ops.kmesh_cpu.gemm_layout(keys, values)
+    return packed[0], packed[1]

@@ -82,6 +82,7 @@ class CascadeDecode:
         self.broken: str | None = None  # set by an error inside the path: vLLM's forward only
         self.sharing: Sharing | None = None  # with kmesh.share_kv_memory (`share`)
         self.guard = SpeedGuard("off")  # set by `cascade_install.install` (kmesh.speed_guard)
+        self.gemm = False  # masters read by matrix products (kmesh.cascade_level; bf16 kernel)
         self.clock = StepClock()  # the parts of recent cascade steps
         self._parts: StepParts | None = None
         self.step_arm_s = 0.0  # of this step's plan: arming new readers (once per request)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kmesh_blend.config import KMeshConfig
 from kmesh_blend.segments.master import Master
 from kmesh_blend.vllm.cascade_attend import EngineKV, Heads, Kernel
 from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse, ReqIds
@@ -33,19 +34,26 @@ log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 
 
 def install(kv: EngineKV, req_ids: ReqIds,
-            speed_guard: str = "auto") -> tuple[CascadeDecode | None, str | None]:  # fmt: skip
+            config: KMeshConfig) -> tuple[CascadeDecode | None, str | None]:  # fmt: skip
     """(the installed path, None), or (None, why it stays off).
 
     The CPU kernel (`kmesh_blend.cpu`) serves when it is built, fits the dtype and head size,
-    and passes the self-check; else the plain-torch path, after its own self-check. Then, with
-    ``speed_guard`` ``auto``, the path is timed against vLLM's kernel (`cascade_probe`) and its
-    `SpeedGuard` decides where it serves."""
+    and passes the self-check, its shared level read as ``kmesh.cascade_level`` says
+    (`kmesh_blend.cpu.level`), else on its vector loops after their own self-check; else the
+    plain-torch path, after its own self-check. Then, with ``kmesh.speed_guard`` ``auto``, the
+    path is timed against vLLM's kernel (`cascade_probe`) and its `SpeedGuard` decides where it
+    serves."""
+    speed_guard, level = config.speed_guard, config.cascade_level
     problem = _unsupported(kv.layers[0], kv.layout)
-    kernel = None
+    kernel, gemm = None, False
     if problem is None:
         kernel, why = _kernel_for(kv.caches[0].dtype, kv.heads)
         if kernel is not None:
-            why = _self_check(kv, kernel)
+            gemm = _level(kv, kernel, level)
+            why = _self_check(kv, kernel, gemm)
+            if why is not None and gemm:
+                log.warning("kmesh: the shared level's matrix products stay off: %s", why)
+                gemm, why = False, _self_check(kv, kernel, False)
             if why is not None:
                 kernel = None
         if kernel is None:
@@ -55,7 +63,8 @@ def install(kv: EngineKV, req_ids: ReqIds,
         log.warning("kmesh: cascade decode stays off: %s", problem)
         return None, problem
     decode = CascadeDecode(kv, req_ids, kernel)
-    decode.guard = _guard(kv, kernel, speed_guard)
+    decode.gemm = gemm
+    decode.guard = _guard(kv, kernel, speed_guard, gemm)
     vllm_attn.route(kv.layers, decode)
     log.info(
         "kmesh: cascade decode on for %d attention layers (%s, self-check passed)",
@@ -66,11 +75,23 @@ def install(kv: EngineKV, req_ids: ReqIds,
     return decode, None
 
 
-def _guard(kv: EngineKV, kernel: Kernel | None, mode: str) -> SpeedGuard:
+def _level(kv: EngineKV, kernel: Kernel, setting: str) -> bool:
+    """Whether the kernel reads masters by matrix products here (`cpu.level.choose_level`)."""
+    from kmesh_blend.cpu.level import choose_level
+
+    try:
+        gemm, line = choose_level(setting, kernel, kv.caches[0].dtype, kv.heads)
+    except Exception as exc:  # no matrix micro-kernels here: the loops serve
+        gemm, line = False, f"shared level on vector loops ({type(exc).__name__}: {exc})"
+    log.info("kmesh: %s", line)
+    return gemm
+
+
+def _guard(kv: EngineKV, kernel: Kernel | None, mode: str, gemm: bool = False) -> SpeedGuard:
     if mode == "off":
         return SpeedGuard.decide(mode, None)
     try:
-        return SpeedGuard.decide(mode, probe(kv, kernel))
+        return SpeedGuard.decide(mode, probe(kv, kernel, gemm=gemm))
     except Exception as exc:  # the path passed its self-check: trust the settings, say why
         return SpeedGuard.decide(mode, None, f"{type(exc).__name__}: {exc}")
 
@@ -94,11 +115,11 @@ def _unsupported(layer: AttnLayer, layout: PagedLayout) -> str | None:
     return vllm_attn.unsupported(layer)
 
 
-def _self_check(kv: EngineKV, kernel: Kernel | None) -> str | None:
-    """Run the cascade path and vLLM's kernel on scratch blocks of the first layer (never the
-    live cache); None when they agree."""
+def _self_check(kv: EngineKV, kernel: Kernel | None, gemm: bool = False) -> str | None:
+    """Run the cascade path (masters read by matrix products with ``gemm``) and vLLM's kernel
+    on scratch blocks of the first layer (never the live cache); None when they agree."""
     try:
-        got, want = _scratch_run(kv, kernel)
+        got, want = _scratch_run(kv, kernel, gemm)
     except Exception as exc:  # any failure: keep vLLM's forward
         return f"self-check failed: {type(exc).__name__}: {exc}"
     tol = 1e-4 if kv.caches[0].dtype == torch.float32 else 3e-2
@@ -106,7 +127,7 @@ def _self_check(kv: EngineKV, kernel: Kernel | None) -> str | None:
     return None if err <= tol else f"self-check differs from vLLM's kernel by {err:.2e} (> {tol})"
 
 
-def _scratch_run(kv: EngineKV, kernel: Kernel | None) -> tuple[torch.Tensor, ...]:
+def _scratch_run(kv: EngineKV, kernel: Kernel | None, gemm: bool) -> tuple[torch.Tensor, ...]:
     layer, cache, layout, rope, heads = kv.layers[0], kv.caches[0], kv.layout, kv.rope, kv.heads
     bs, dtype = layout.block_size, cache.dtype
     num_heads, num_kv_heads, head_dim = heads
@@ -153,6 +174,7 @@ def _scratch_run(kv: EngineKV, kernel: Kernel | None) -> tuple[torch.Tensor, ...
     assert batch is not None
     scratch_kv = EngineKV([layer], [scratch], layout, rope, heads)
     decode = CascadeDecode(scratch_kv, lambda n: ["a", "b", "c"][:n], kernel)
+    decode.gemm = gemm
     for name, (offset, prompt, _), ids in zip("ab", shapes, blocks, strict=False):
         slots = slot_mapping(ids, bs, 0, prompt)
         decode.add(name, ids, slots, [MasterUse("m", offset, offset + size, master)])

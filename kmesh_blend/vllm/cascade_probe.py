@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from kmesh_blend.cpu.caches import evict_caches
 from kmesh_blend.segments.master import Master
 from kmesh_blend.vllm.cascade_attend import EngineKV, Kernel, per_call
 from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse
@@ -32,8 +33,9 @@ ARMS = 3  # the family armed afresh this many times; the fastest counts (as for 
 
 
 def probe(kv: EngineKV, kernel: Kernel | None, family: int = 8, rows: int = 1024,
-          own: int = 64, reps: int = 11) -> Timing:  # fmt: skip
-    """`Timing` of ``family`` readers (at most one kernel call's worth) and of one alone."""
+          own: int = 64, reps: int = 11, gemm: bool = False) -> Timing:  # fmt: skip
+    """`Timing` of ``family`` readers (at most one kernel call's worth) and of one alone; with
+    ``gemm`` the kernel reads the master by matrix products (`CascadeDecode.gemm`)."""
     layer, cache, layout, rope, heads = kv.layers[0], kv.caches[0], kv.layout, kv.rope, kv.heads
     bs, dtype = layout.block_size, cache.dtype
     num_heads, num_kv_heads, head_dim = heads
@@ -86,6 +88,7 @@ def probe(kv: EngineKV, kernel: Kernel | None, family: int = 8, rows: int = 1024
         arm = math.inf
         for _ in range(ARMS):
             decode = CascadeDecode(scratch_kv, lambda m: names[:m], kernel)
+            decode.gemm = gemm
             for name, ids in zip(names[:n], blocks[:n], strict=True):
                 uses = [MasterUse("probe", own, prompt, master)]
                 decode.add(name, ids, slot_mapping(ids, bs, 0, prompt), uses)
@@ -105,12 +108,14 @@ def probe(kv: EngineKV, kernel: Kernel | None, family: int = 8, rows: int = 1024
 def _fastest(a: Callable[[], object], b: Callable[[], object],
              reps: int) -> tuple[float, float, int]:  # fmt: skip
     """Fastest seconds of ``a`` and ``b``, run in turn ``reps`` times after one warm-up each
-    (a shared machine only ever adds time: the fastest run is the kernel's own), and in how
-    many of those paired runs ``a`` took longer than ``b``."""
+    (a shared machine only ever adds time: the fastest run is the kernel's own), each from
+    caches holding none of its data (`evict_caches`), and in how many of those paired runs
+    ``a`` took longer than ``b``."""
     a(), b()
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(reps):
         for fn, into in ((a, times[0]), (b, times[1])):
+            evict_caches()
             start = time.perf_counter()
             fn()
             into.append(time.perf_counter() - start)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kmesh_blend.cpu.layout import pair_value_rows, tile_key_rows
+from kmesh_blend.cpu import verify_rows_op
+from kmesh_blend.cpu.layout import gemm_chunks, pair_value_rows, tile_key_rows
 from kmesh_blend.models.rope import RotaryEmbedding, rotate
 from kmesh_blend.segments.master import Master
 from kmesh_blend.vllm.kv_release import Release
@@ -43,8 +44,9 @@ class SharedMaster:
     Plain (the torch path): k_t [L, Hkv, D, S] and v [L, Hkv, S, D], fp32 whatever the KV dtype
     (converting once beats converting every step). Tiled (the CPU kernel,
     `kmesh_blend.cpu.layout`): k_t [L, Hkv, ceil(S/16), D/2, 16, 2] and v [L, Hkv, ceil(S/2), D,
-    2] in the KV dtype itself (the kernel multiplies in fp32; half the bytes in bf16); ``size``
-    is S."""
+    2] in the KV dtype itself (the kernel multiplies in fp32; half the bytes in bf16); in chunks
+    for the kernel's matrix products (``gemm``, bf16): k_t [L, Hkv, C, D, W] and v [L, Hkv, C,
+    W, D] (`kmesh_blend.cpu.layout.gemm_chunks`); ``size`` is S."""
 
     k_t: torch.Tensor
     v: torch.Tensor
@@ -53,11 +55,14 @@ class SharedMaster:
     users: int = 0
 
     @classmethod
-    def of(cls, master: Master, dtype: torch.dtype, tiled: bool = False) -> SharedMaster:
+    def of(cls, master: Master, dtype: torch.dtype, tiled: bool = False,
+           gemm: bool = False) -> SharedMaster:  # fmt: skip
         kv = master.kv
         # Through the cache dtype first: the values the paged copies hold.
         k, v = kv[:, 0].to(dtype), kv[:, 1].to(dtype)  # [L, S, Hkv, D]
         first, size = int(master.positions[0]), int(kv.shape[2])
+        if tiled and gemm:
+            return cls(*gemm_chunks(k, v), first, size)
         if tiled:
             return cls(tile_key_rows(k), pair_value_rows(v), first, size)
         k_t, v = k.permute(0, 2, 3, 1), v.permute(0, 2, 1, 3)
@@ -135,6 +140,7 @@ class DecodePlan:
         """Verify the paged rows against the masters; None when armed, else why not."""
         num_layers = len(caches)
         reads = torch.zeros(num_layers, self.num_tokens, dtype=torch.bool)
+        verify = verify_rows_op()  # the same test in one pass, where the CPU kernels built
         self.shared = []
         for use in self.uses:
             kv = use.master.kv
@@ -147,6 +153,13 @@ class DecodePlan:
             rotation = rope.tables(delta, torch.float32)
             rows = torch.zeros(num_layers, size, dtype=torch.bool)
             for layer, cache in enumerate(caches):
+                if verify is not None and not layout.packed and cache.device.type == "cpu":
+                    k_view, v_view = layout.views(cache)
+                    rows[layer] = verify(
+                        k_view, v_view, slots, kv[layer, 0].contiguous(), kv[layer, 1].contiguous(),
+                        rotation.cos[0], rotation.signed_sin[0], *_tolerance(cache.dtype),
+                    )  # fmt: skip
+                    continue
                 k, v = layout.read(cache, slots.to(cache.device))
                 k, v = k.cpu(), v.cpu()
                 want = rotate(kv[layer, 0].float(), rotation)

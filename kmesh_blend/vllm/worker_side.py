@@ -126,8 +126,8 @@ class WorkerSide:
             self.cascade_off = "the model runner's batch order is not reachable"
         else:
             heads = Heads(shape.num_heads, shape.num_kv_heads, shape.head_dim)
-            kv, config = EngineKV(layers, self.kv_caches, self.paged, self.rope, heads), self.config
-            self.cascade, self.cascade_off = install_cascade(kv, self.batch_ids, config.speed_guard)
+            kv = EngineKV(layers, self.kv_caches, self.paged, self.rope, heads)
+            self.cascade, self.cascade_off = install_cascade(kv, self.batch_ids, self.config)
             self.stats.held = self.cascade.gauges if self.cascade is not None else None
             if self.cascade is not None and self.config.share_kv_memory:
                 self.cascade.share(self.world_size, self.config.share_kv_host_bytes)

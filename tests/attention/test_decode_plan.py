@@ -1,12 +1,15 @@
 """DecodePlan.arm: which prompt rows of a blended request read the master in cascade decode is
-decided by comparing its paged rows with the master, row by row and layer by layer (no vLLM)."""
+decided by comparing its paged rows with the master, row by row and layer by layer (no vLLM);
+on the CPU kernels' one-pass check (`kmesh_blend/cpu/verify_rows.cpp`) and on torch ops alike."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import pytest
 import torch
 
+from kmesh_blend.cpu import cpu_kernel_expected, verify_rows_op
 from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
@@ -25,6 +28,18 @@ def _layout() -> PagedLayout:
         return base[:, :, :BLOCK], base[:, :, BLOCK:]
 
     return PagedLayout("cpu_rows", BLOCK, views)
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which implementation arms: the CPU kernels' check (where this machine builds them), or
+    torch ops."""
+    if request.param == "torch":
+        monkeypatch.setattr("kmesh_blend.vllm.decode_plan.verify_rows_op", lambda: None)
+    elif verify_rows_op() is None:
+        assert not cpu_kernel_expected(), "this machine should build the CPU kernels"
+        pytest.skip("no CPU kernels here")
+    return str(request.param)
 
 
 Built = tuple[DecodePlan, list[torch.Tensor], tuple[PagedLayout, RotaryEmbedding, _Master]]
@@ -66,7 +81,7 @@ def _request(dtype: torch.dtype, replaced: dict[int, list[int]]) -> Built:
     return plan, caches, (layout, rope, master)
 
 
-def test_rows_that_equal_the_master_are_shared_the_rest_are_own() -> None:
+def test_rows_that_equal_the_master_are_shared_the_rest_are_own(check: str) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         plan, caches, (layout, rope, _) = _request(dtype, {0: [], 1: [0, 7], 2: [3]})
         assert plan.arm(layout, caches, rope) is None and plan.armed
@@ -81,7 +96,7 @@ def test_rows_that_equal_the_master_are_shared_the_rest_are_own() -> None:
         assert plan.shared_rows == round((10 + 8 + 9) / 3)
 
 
-def test_keys_within_one_rounding_are_shared_keys_beyond_it_are_own() -> None:
+def test_keys_within_one_rounding_are_shared_keys_beyond_it_are_own(check: str) -> None:
     # The blend may round a re-positioned key differently from the check: such a row is still
     # the master's; a key moved further (its value kept) is the request's own.
     for dtype in (torch.float32, torch.bfloat16):
@@ -98,7 +113,7 @@ def test_keys_within_one_rounding_are_shared_keys_beyond_it_are_own() -> None:
         assert plan.shared[0][0].all() and plan.shared[0][2].all()
 
 
-def test_a_request_that_replaced_every_row_is_not_armed() -> None:
+def test_a_request_that_replaced_every_row_is_not_armed(check: str) -> None:
     plan, caches, (layout, rope, _) = _request(
         torch.float32, {i: list(range(10)) for i in range(3)}
     )

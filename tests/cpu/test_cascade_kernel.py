@@ -15,6 +15,9 @@ import torch
 from kmesh_blend.attention.decode import MASKED, MasterRows, OwnRows, decode_cascade
 from kmesh_blend.cpu import cascade_decode_op, cpu_kernel_expected
 from kmesh_blend.cpu.layout import (
+    chunk_rows,
+    chunk_width,
+    gemm_chunks,
     pair_value_rows,
     pair_values,
     tile_key_rows,
@@ -54,12 +57,20 @@ def test_layouts_round_trip_and_place_each_element() -> None:
 
 
 def _case(
-    dtype: torch.dtype, n: int, heads: int, kv_heads: int, dim: int, own: int, sizes: list[int]
+    dtype: torch.dtype,
+    n: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    own: int,
+    sizes: list[int],
+    own_read: bool = True,
 ) -> tuple[tuple[Any, ...], torch.Tensor, tuple[torch.Tensor, ...]]:
     """Kernel arguments, the reference output [n, H, D], and the own buffers after the step.
 
     The own rows sit in a pool of n + 2 slots, request r's in a shuffled slot: the two others
-    hold rows no request reads (the kernel must neither read nor write them)."""
+    hold rows no request reads (the kernel must neither read nor write them). ``own_read``
+    False: every own column is masked but this step's (no own prompt rows)."""
     gen = torch.Generator().manual_seed(n * 1000 + dim + own)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -72,7 +83,7 @@ def _case(
     slots = torch.randperm(pool, generator=gen)[:n].contiguous()
     own_k, own_v = rand(pool, kv_heads, dim, own), rand(pool, kv_heads, own, dim)
     pool_bias = torch.zeros(pool, own)
-    pool_bias[torch.rand(pool, own, generator=gen) < 0.2] = MASKED
+    pool_bias[torch.rand(pool, own, generator=gen) < (0.2 if own_read else 2.0)] = MASKED
     bias = torch.zeros(n, own + sum(sizes))
     bias[torch.rand(n, own + sum(sizes), generator=gen) < 0.2] = MASKED
     if len(sizes) > 1:
@@ -188,3 +199,53 @@ def test_a_killed_build_s_lock_does_not_hang_the_next_load(tmp_path: Any) -> Non
     cpu._drop_stale_lock(stale)
     cpu._drop_stale_lock(tmp_path / "absent")
     assert fresh.exists() and not stale.exists()
+
+
+def _in_chunks(args: tuple[Any, ...], sizes: list[int]) -> list[Any]:
+    """The same kernel arguments with every master in the chunked layout of the matrix-product
+    level (`gemm_chunks`)."""
+    out = list(args)
+    keys, values = [], []
+    for tiled, paired, size in zip(args[10], args[11], sizes, strict=True):
+        k_t, v = untile_keys(tiled, size), unpair_values(paired, size)  # [Hkv, D, S], [Hkv, S, D]
+        k, v = gemm_chunks(k_t.permute(2, 0, 1)[None].contiguous(), v.transpose(0, 1)[None])
+        keys.append(k[0])
+        values.append(v[0])
+    out[10], out[11] = keys, values
+    return out
+
+
+GEMM_SHAPES = [
+    # n, H, Hkv, D, own columns, master sizes: GQA 3, 4, 1; head size 64, 128; families of 8,
+    # 3, 1; masters of one short chunk, of several with a partial last one, of exact chunks
+    (8, 9, 3, 64, 480, [2048]),
+    (3, 8, 2, 128, 32, [5, 301]),
+    (1, 4, 4, 64, 16, [700]),
+    (3, 12, 4, 64, 16, [257, 512]),
+]
+
+
+@pytest.mark.parametrize("own_read", [True, False], ids=["own-rows", "no-own-rows"])
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: f"n{s[0]}-G{s[1] // s[2]}-D{s[3]}")
+def test_the_matrix_product_level_matches_the_reference(
+    kernel: Any, shape: tuple, own_read: bool
+) -> None:
+    """Masters in chunks, read by torch's bf16 matrix micro-kernels: within the bf16 tolerance
+    of the fp32 reference, as the loops are."""
+    args, want, _ = _case(torch.bfloat16, *shape, own_read=own_read)
+    chunked = _in_chunks(args, shape[5])
+    out, tokens = chunked[0], chunked[1]
+    kernel(*chunked)
+    err = float((out[tokens].float() - want).abs().max())
+    assert err <= TOL[torch.bfloat16], err
+
+
+def test_chunks_place_each_element() -> None:
+    k, v = torch.randn(2, 37, 3, 64), torch.randn(2, 37, 3, 64)
+    keys, values = chunk_rows(k, v, 16)
+    assert keys.shape == (2, 3, 3, 64, 16) and values.shape == (2, 3, 3, 16, 64)
+    for layer, j, h, d in [(0, 0, 0, 0), (1, 20, 2, 63), (1, 36, 1, 5), (0, 17, 0, 32)]:
+        assert keys[layer, h, j // 16, d, j % 16] == k[layer, j, h, d]
+        assert values[layer, h, j // 16, j % 16, d] == v[layer, j, h, d]
+    assert not keys[:, :, 2, :, 5:].any() and not values[:, :, 2, 5:].any()  # zero padding
+    assert chunk_width(37) == 48 and chunk_width(5000) == 256 and chunk_width(1) == 16

@@ -281,7 +281,7 @@ def test_readers_whose_decode_cannot_repay_arming_stay_on_vllm_s_kernel(
 
     # the family wins per step, but arming a reader costs 8,000 of its gains: never repaid here
     timing = Timing(8, 1024, 1089, 1e-3, 2e-3, 1e-3, 2e-3, arm_s=1.0)
-    monkeypatch.setattr(cascade_install, "probe", lambda *args: timing)
+    monkeypatch.setattr(cascade_install, "probe", lambda *args, **kwargs: timing)
     installed = _installed(monkeypatch)
     path, doc_len = build_checkpoint(TINY_LLAMA), 300
     on = _serve(path, "float32", "tiny", doc_len, cascade_decode=True, share_kv_memory=True,
@@ -303,7 +303,7 @@ def test_a_path_that_loses_under_load_is_switched_off_while_serving(
 
     # start-up: the family and a lone reader win, but vLLM's kernel costs ~nothing per row
     timing = Timing(8, 1024, 1089, 1e-9, 2e-9, 1e-9, 2e-9)
-    monkeypatch.setattr(cascade_install, "probe", lambda *args: timing)
+    monkeypatch.setattr(cascade_install, "probe", lambda *args, **kwargs: timing)
     installed = _installed(monkeypatch)
     lines = _Lines()
     logging.getLogger("vllm.kmesh_blend").addFilter(lines)
@@ -333,7 +333,7 @@ def test_where_requests_wait_for_blocks_a_path_dearer_than_its_blocks_is_switche
     from kmesh_blend.vllm.cascade_decode import CascadeDecode
 
     timing = Timing(8, 1024, 1089, 1e-9, 2e-9, 1e-9, 2e-9)  # loses under load, as above
-    monkeypatch.setattr(cascade_install, "probe", lambda *args: timing)
+    monkeypatch.setattr(cascade_install, "probe", lambda *args, **kwargs: timing)
     # every step reaches the worker saying a request waits for blocks (the scheduler's signal,
     # `waits_for_blocks`, is tested above); the tiny model's readers give back a sliver of its
     # large pool, which buys far less than the path costs
@@ -413,7 +413,7 @@ def test_readers_whose_blocks_went_back_stay_when_the_path_is_switched_off(
     if not cpu_kernel_expected():
         pytest.skip("blocks go back only on the CPU kernel")
     timing = Timing(8, 1024, 1089, 1e-9, 2e-9, 1e-9, 2e-9)  # loses under load, as above
-    monkeypatch.setattr(cascade_install, "probe", lambda *args: timing)
+    monkeypatch.setattr(cascade_install, "probe", lambda *args, **kwargs: timing)
     # blocks go back from the first reader on (as where requests wait for blocks)
     monkeypatch.setattr(SpeedGuard, "gives_back", property(lambda self: None))
     installed = _installed(monkeypatch)
