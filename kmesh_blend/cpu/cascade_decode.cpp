@@ -11,7 +11,7 @@
 // frame, softmax probabilities — go in as two bf16 terms (value, then what its rounding left), so
 // the products are as exact as fp32 on the stored K/V.
 // A bf16 master held in chunks ([Hkv, chunks, D, W] keys, [Hkv, chunks, W, D] values) is read by
-// matrix products instead (run_gemm_item: torch's brgemm, AMX tiles where present), the same
+// matrix products instead (run_gemm_item: torch's bf16 GEMM with fp32 output, oneDNN), the same
 // two-term operands and fp32 sums; kmesh_blend/cpu/level.py chooses which layout a master gets.
 
 #include <ATen/ATen.h>
@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <exception>
 #include <type_traits>
 #include <vector>
 
@@ -85,7 +86,7 @@ struct Item {
   float* state;
   // GEMM level (a master in chunks, bf16): the item's query rows as one bf16 matrix [rows, D]
   // (then, when ``split``, what their rounding left, [rows, D]), k: the chunk's K^T [D, ld],
-  // v: its V [ld, D] (ld: the chunk width; both packed for the matrix units where torch packs).
+  // v: its V [ld, D] (ld: the chunk width), both row-major.
   const bf16* qa = nullptr;
   int ld = 0;
 };
@@ -242,14 +243,15 @@ inline void split_bf16(const float* x, bf16* hi, bf16* lo, int n) {
   }
 }
 
-// One chunk of a master as two matrix products (torch's brgemm: oneDNN's micro-kernels, on AMX
-// tiles where the CPU has them, AVX-512 BF16 elsewhere): scores = Q K^T, softmax in fp32, then
+// One chunk of a master as two matrix products (torch's cpublas::brgemm on plain row-major
+// operands, which torch runs as its bf16 GEMM with fp32 output: oneDNN's matmul, on AMX tiles
+// where the CPU has them, AVX-512 BF16 here): scores = Q K^T, softmax in fp32, then
 // P V, both with fp32 sums. Operands bf16 does not hold (queries rotated into the master's
 // frame, probabilities) enter as two bf16 rows each when ``split`` (a master level always:
 // value, then what its rounding left; the halves' products are added in fp32), so the products
-// keep fp32 operands to about 2^-16, as the vector loops do: twice the products, one contract. ``packed``: k and v are in torch's packed layout.
+// keep fp32 operands to about 2^-16, as the vector loops do: twice the products, one contract.
 template <int NC>
-void run_gemm_item(const Item<bf16>& it, float scale, bool packed, std::vector<float>& buf,
+void run_gemm_item(const Item<bf16>& it, float scale, std::vector<float>& buf,
                    std::vector<bf16>& probs) {
   constexpr int D = 16 * NC;
   const int rows = it.rows, m = it.split ? 2 * rows : rows;
@@ -257,7 +259,7 @@ void run_gemm_item(const Item<bf16>& it, float scale, bool packed, std::vector<f
   buf.resize(static_cast<size_t>(m) * lds + static_cast<size_t>(m) * D);
   float* scores = buf.data();
   float* outs = scores + static_cast<size_t>(m) * lds;
-  at::native::cpublas::brgemm(m, width, D, D, it.ld, lds, false, it.qa, it.k, scores, packed);
+  at::native::cpublas::brgemm(m, width, D, D, it.ld, lds, false, it.qa, it.k, scores, false);
   for (int i = 0; i < rows; ++i) {
     float* s = scores + i * lds;
     const float* lo = scores + (rows + i) * lds;
@@ -273,7 +275,7 @@ void run_gemm_item(const Item<bf16>& it, float scale, bool packed, std::vector<f
   probs.assign(static_cast<size_t>(m) * even, bf16(0.f));
   for (int i = 0; i < rows; ++i)
     split_bf16(scores + i * lds, probs.data() + i * even, it.split ? probs.data() + (rows + i) * even : nullptr, width);
-  at::native::cpublas::brgemm(m, D, even, even, D, D, false, probs.data(), it.v, outs, packed);
+  at::native::cpublas::brgemm(m, D, even, even, D, D, false, probs.data(), it.v, outs, false);
   for (int i = 0; i < rows; ++i) {
     float* dst = it.state + i * (2 + D) + 2;
     for (int c = 0; c < NC; ++c) {
@@ -442,26 +444,31 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
   for (size_t i = 0; i < items.size(); ++i) state_at[i + 1] = state_at[i] + items[i].rows * (2 + D);
   std::vector<float> states(static_cast<size_t>(state_at.back()));
   for (size_t i = 0; i < items.size(); ++i) items[i].state = states.data() + state_at[i];
-  const bool packed = any_gemm && at::native::cpublas::could_pack(at::kBFloat16);
   std::atomic<int64_t> next{0};
   const int64_t total = static_cast<int64_t>(items.size());
+  std::exception_ptr failed = nullptr;  // an exception must not leave the parallel region
+  std::atomic<bool> stop{false};
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(total, at::get_num_threads())))
   {
     std::vector<float> buf;
     std::vector<bf16> probs;
-    bool gemm_ran = false;
-    for (int64_t i = next++; i < total; i = next++) {
-      if constexpr (std::is_same_v<T, bf16>) {
-        if (items[i].qa != nullptr) {
-          run_gemm_item<NC>(items[i], static_cast<float>(scale), packed, buf, probs);
-          gemm_ran = true;
-          continue;
+    try {
+      for (int64_t i = next++; i < total && !stop; i = next++) {
+        if constexpr (std::is_same_v<T, bf16>) {
+          if (items[i].qa != nullptr) {
+            run_gemm_item<NC>(items[i], static_cast<float>(scale), buf, probs);
+            continue;
+          }
         }
+        run_item<T, NC>(items[i], static_cast<float>(scale), buf);
       }
-      run_item<T, NC>(items[i], static_cast<float>(scale), buf);
+    } catch (...) {
+#pragma omp critical(kmesh_cascade_failed)
+      if (!failed) failed = std::current_exception();
+      stop = true;
     }
-    if (gemm_ran && packed) at::native::cpublas::brgemm_release(true);  // the tile state
   }
+  if (failed) std::rethrow_exception(failed);
   // Merge per (request, query head): own state, then every chunk of every master.
   T* o = out.data_ptr<T>();
   for (int64_t r = 0; r < n; ++r)
@@ -582,32 +589,4 @@ void cascade_decode(at::Tensor out, at::Tensor tokens, at::Tensor query, at::Ten
   }
 }
 
-// A master's chunks (bf16 k [L, Hkv, C, D, W], v [L, Hkv, C, W, D], contiguous) in the layout
-// the GEMM level reads: torch's packed layout where the platform packs (AMX), else as given.
-std::vector<at::Tensor> gemm_layout(at::Tensor k, at::Tensor v) {
-  check(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && k.dim() == 5 && v.dim() == 5 &&
-            k.is_contiguous() && v.is_contiguous(), "gemm_layout: contiguous bf16 k [L, Hkv, C, D, W], v [L, Hkv, C, W, D]");
-  const int64_t D = k.size(3), W = k.size(4), blocks = k.numel() / (D * W);
-  check(v.size(3) == W && v.size(4) == D && v.numel() == k.numel() && W % 2 == 0, "gemm_layout: v [.., W, D], W even");
-  if (!at::native::cpublas::could_pack(at::kBFloat16)) return {k, v};
-  at::Tensor pk = at::empty_like(k), pv = at::empty_like(v);
-  const auto* ik = k.data_ptr<at::BFloat16>();
-  const auto* iv = v.data_ptr<at::BFloat16>();
-  auto* ok = pk.data_ptr<at::BFloat16>();
-  auto* ov = pv.data_ptr<at::BFloat16>();
-  at::parallel_for(0, blocks, 1, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) {
-      at::native::cpublas::pack(D, W, W, W, at::kBFloat16, at::kBFloat16, ik + i * D * W, ok + i * D * W);
-      at::native::cpublas::pack(W, D, D, D, at::kBFloat16, at::kBFloat16, iv + i * D * W, ov + i * D * W);
-    }
-  });
-  return {pk, pv};
-}
-
-bool gemm_packed() { return at::native::cpublas::could_pack(at::kBFloat16); }
-
-TORCH_LIBRARY(kmesh_cpu, m) {
-  m.def("cascade_decode", &cascade_decode);
-  m.def("gemm_layout", &gemm_layout);
-  m.def("gemm_packed", &gemm_packed);
-}
+TORCH_LIBRARY(kmesh_cpu, m) { m.def("cascade_decode", &cascade_decode); }

@@ -7,8 +7,7 @@ of one key: the operand of the bf16 dot-product instruction. Values: pairs of ke
 
 A master read by matrix products (the GEMM level) is held in chunks of W keys instead:
 keys [..., Hkv, ceil(S/W), D, W] (each chunk K^T, row-major) and values [..., Hkv, ceil(S/W), W, D],
-zero rows past S; `gemm_chunks` then packs them where torch's matrix micro-kernels want
-them packed (AMX tiles), else leaves them as they are.
+zero rows past S (`gemm_chunks`), row-major operands for torch's bf16 GEMM.
 """
 
 from __future__ import annotations
@@ -108,8 +107,5 @@ def chunk_rows(k: torch.Tensor, v: torch.Tensor, width: int) -> tuple[torch.Tens
 
 def gemm_chunks(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A master's bf16 rows k / v [L, S, Hkv, D] in the GEMM level's layout: `chunk_rows` at
-    `chunk_width`, packed by torch where its matrix micro-kernels want packed operands (the CPU
-    kernel must be built: `kmesh_blend.cpu.cascade_decode_op`)."""
-    keys, values = chunk_rows(k, v, chunk_width(int(k.shape[-3])))
-    packed = torch.ops.kmesh_cpu.gemm_layout(keys, values)
-    return packed[0], packed[1]
+    `chunk_width`."""
+    return chunk_rows(k, v, chunk_width(int(k.shape[-3])))

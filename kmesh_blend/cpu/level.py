@@ -1,8 +1,9 @@
 """Which implementation of the shared level serves here: the vector loops or matrix products.
 
 The CPU kernel reads a master one of two ways (`cascade_decode.cpp`): its AVX-512 loops over the
-tiled layout, or torch's bf16 matrix micro-kernels (``at::native::cpublas::brgemm``: oneDNN, on
-AMX tiles where the CPU has them) over the chunked layout (`kmesh_blend.cpu.layout`). Which is
+tiled layout, or torch's bf16 GEMM with fp32 output (``at::native::cpublas::brgemm`` on plain
+operands: oneDNN's matmul, on AMX tiles where the CPU has them) over the chunked layout
+(`kmesh_blend.cpu.layout`). Which is
 faster depends on the CPU and not on a constant: on an AMD EPYC with AVX-512 BF16 the loops win
 (a family of 8 over 2,048 rows: 0.39 vs 0.63 ms, two threads), on a Xeon with AMX the matrix
 units beat any vector loop. `choose_level` times both on this engine's heads, each run from
@@ -39,14 +40,9 @@ class LevelTiming(NamedTuple):
 
     def line(self) -> str:
         chosen = "matrix products" if self.gemm else "vector loops"
-        return (f"shared level on {chosen} ({self.family} readers of {self.rows} rows: "
-                f"loops {self.loops_s * 1e3:.3f} ms, matrix products {self.gemm_s * 1e3:.3f} ms"
-                f"{', packed for the matrix units' if packed() else ''})")  # fmt: skip
-
-
-def packed() -> bool:
-    """Whether torch packs bf16 operands for its matrix micro-kernels here (AMX)."""
-    return bool(torch.ops.kmesh_cpu.gemm_packed())
+        loops, gemm = self.loops_s * 1e3, self.gemm_s * 1e3
+        return (f"shared level on {chosen} ({self.family} readers of {self.rows} rows: loops "
+                f"{loops:.3f} ms, matrix products {gemm:.3f} ms)")  # fmt: skip
 
 
 def choose_level(setting: str, kernel: Any, dtype: torch.dtype,

@@ -153,7 +153,7 @@ class DecodePlan:
             rotation = rope.tables(delta, torch.float32)
             rows = torch.zeros(num_layers, size, dtype=torch.bool)
             for layer, cache in enumerate(caches):
-                if verify is not None and not layout.packed and cache.device.type == "cpu":
+                if verify is not None and _one_pass(layout, cache, kv):
                     k_view, v_view = layout.views(cache)
                     rows[layer] = verify(
                         k_view, v_view, slots, kv[layer, 0].contiguous(), kv[layer, 1].contiguous(),
@@ -173,6 +173,12 @@ class DecodePlan:
         self.shared_rows = round(int(reads.sum()) / num_layers)
         self.armed = True
         return None
+
+
+def _one_pass(layout: PagedLayout, cache: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether `verify_rows.cpp` reads this cache and master: CPU, unpacked, fp32 / bf16."""
+    kinds = (torch.float32, torch.bfloat16)
+    return not layout.packed and cache.device.type == "cpu" and {cache.dtype, kv.dtype} <= {*kinds}
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

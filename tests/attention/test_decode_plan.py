@@ -9,7 +9,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from kmesh_blend.cpu import cpu_kernel_expected, verify_rows_op
+from kmesh_blend.cpu import cascade_decode_op, cpu_kernel_expected, verify_rows_op
 from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
@@ -36,7 +36,7 @@ def check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
     torch ops."""
     if request.param == "torch":
         monkeypatch.setattr("kmesh_blend.vllm.decode_plan.verify_rows_op", lambda: None)
-    elif verify_rows_op() is None:
+    elif cascade_decode_op()[0] is None or verify_rows_op() is None:
         assert not cpu_kernel_expected(), "this machine should build the CPU kernels"
         pytest.skip("no CPU kernels here")
     return str(request.param)
