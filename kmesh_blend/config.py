@@ -162,6 +162,12 @@ class KMeshConfig:
     micro-kernels: AMX tiles where the CPU has them); ``auto`` times both at engine start on
     this engine's heads and keeps the faster (`kmesh_blend/cpu/level.py`; the log line says
     which, with its figures)."""
+    cascade_exact: bool = False
+    """With ``cascade_decode`` on the CPU kernel and a bf16 cache: the operands bf16 does not
+    hold (queries rotated into a master's frame, softmax probabilities) enter the products as
+    two bf16 terms, products as exact as fp32 on the stored K/V, at about twice the shared
+    level's arithmetic; off, they are rounded to bf16 once, as vLLM's own bf16 kernels round
+    theirs (greedy tokens within the bf16 bound of docs/cascade.md either way)."""
     _store_spec: StoreSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

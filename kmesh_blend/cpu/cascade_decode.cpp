@@ -8,8 +8,8 @@
 // the chunks' (max, sum, unnormalized output) states exactly, and write the output rows.
 // K/V are read in their stored dtype. fp32: fp32 products. bf16: vdpbf16ps (pairs of bf16
 // products summed in fp32); the operands bf16 does not hold — queries rotated into a master's
-// frame, softmax probabilities — go in as two bf16 terms (value, then what its rounding left), so
-// the products are as exact as fp32 on the stored K/V.
+// frame, softmax probabilities — go in rounded to bf16 once, or with ``exact`` as two bf16 terms
+// (value, then what its rounding left), so the products are as exact as fp32 on the stored K/V.
 // A bf16 master held in chunks ([Hkv, chunks, D, W] keys, [Hkv, chunks, W, D] values) is read by
 // matrix products instead (run_gemm_item: torch's bf16 GEMM with fp32 output, oneDNN), the same
 // two-term operands and fp32 sums; kmesh_blend/cpu/level.py chooses which layout a master gets.
@@ -78,6 +78,7 @@ struct Item {
   const uint32_t* qp[64];
   const uint32_t* ql[64];
   bool split;
+  bool exact;  // probabilities as two bf16 terms (and a master level's queries: ``split``)
   const float* bias[64];
   int rows;
   const T* k;
@@ -153,8 +154,8 @@ void score_tile(const Item<float>& it, int i0, float scale, float* scores, int l
 }
 
 // acc_i += sum_j p_ij v_j over pairs of keys (the probabilities past the last key are 0).
-template <int NC, int R>
-void value_tile(const Item<bf16>& it, int i0, const float* probs, int lds) {
+template <int NC, int R, bool EXACT>
+void value_tile_bf16(const Item<bf16>& it, int i0, const float* probs, int lds) {
   constexpr int D = 16 * NC;
   const int pairs = (it.j1 - it.j0 + 1) / 2;
   // The probabilities as bf16 (pair (j, j + 1) is then one 32-bit word), and what that rounding
@@ -182,12 +183,22 @@ void value_tile(const Item<bf16>& it, int i0, const float* probs, int lds) {
     for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(row + 32 * c);
     for (int i = 0; i < R; ++i) {
       const __m512bh p = (__m512bh)_mm512_set1_epi32(pp[i * stride + j2]);
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], p, v[c]);
+      if (!EXACT) continue;
       const __m512bh q = (__m512bh)_mm512_set1_epi32(pp[(R + i) * stride + j2]);
-      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][c], p, v[c]), q, v[c]);
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], q, v[c]);
     }
   }
   for (int i = 0; i < R; ++i)
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(it.state + (i0 + i) * (2 + D) + 2 + 16 * c, acc[i][c]);
+}
+
+template <int NC, int R>
+void value_tile(const Item<bf16>& it, int i0, const float* probs, int lds) {
+  if (it.exact)
+    value_tile_bf16<NC, R, true>(it, i0, probs, lds);
+  else
+    value_tile_bf16<NC, R, false>(it, i0, probs, lds);
 }
 
 template <int NC, int R>
@@ -317,7 +328,7 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
              const at::Tensor& key, const at::Tensor& value, at::Tensor& own_k,
              at::Tensor& own_v, at::Tensor& own_bias, const at::Tensor& own_slots,
              const at::Tensor& cols, at::TensorList master_k, at::TensorList master_v, at::TensorList master_bias,
-             at::TensorList rotations, double scale) {
+             at::TensorList rotations, double scale, bool exact) {
   constexpr int D = 16 * NC;
   const int64_t n = tokens.size(0), H = query.size(1), Hkv = own_k.size(1), G = H / Hkv;
   const int64_t C = own_k.size(2) * 16, M = static_cast<int64_t>(master_k.size());
@@ -393,7 +404,8 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
     it.q[i] = qf.data() + at;
     it.qp[i] = qp.data() + at / 2;
     it.ql[i] = qp.data() + rows * D / 2 + at / 2;
-    it.split = level > 0;
+    it.split = level > 0 && exact;
+    it.exact = exact;
   };
   for (int64_t r = 0; r < n; ++r)
     for (int64_t h = 0; h < Hkv; ++h) {
@@ -509,10 +521,13 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "kmesh cascade_decode: "
 //     contiguous; bias [n, S] fp32; rotation [n, D, D] fp32 (request r's query in g's frame is
 //     q . rotation[r]).
 // Biases: 0 where the request reads the key, -1e30 where not; any row stride, unit column stride.
+// exact (bf16): the operands bf16 does not hold (queries rotated into a master's frame,
+// probabilities) enter as two bf16 terms, products as exact as fp32 at about twice the master
+// level's products; else as one, rounded once, as vLLM's own bf16 kernels round their operands.
 void cascade_decode(at::Tensor out, at::Tensor tokens, at::Tensor query, at::Tensor key,
                     at::Tensor value, at::Tensor own_k, at::Tensor own_v, at::Tensor own_bias,
                     at::Tensor own_slots, at::Tensor cols, at::TensorList master_k, at::TensorList master_v,
-                    at::TensorList master_bias, at::TensorList rotations, double scale) {
+                    at::TensorList master_bias, at::TensorList rotations, double scale, bool exact) {
   const auto X = query.scalar_type();
   check(X == at::kFloat || X == at::kBFloat16, "query dtype must be float32 or bfloat16");
   for (const at::Tensor* t : {&out, &key, &value, &own_k, &own_v})
@@ -576,11 +591,11 @@ void cascade_decode(at::Tensor out, at::Tensor tokens, at::Tensor query, at::Ten
     if (X == at::kFloat)                                                                       \
       cascade<float, NC>(out, tokens, query, key, value, own_k, own_v, own_bias, own_slots,    \
                          cols,                                                                 \
-                         master_k, master_v, master_bias, rotations, scale);                   \
+                         master_k, master_v, master_bias, rotations, scale, exact);                   \
     else                                                                                       \
       cascade<bf16, NC>(out, tokens, query, key, value, own_k, own_v, own_bias, own_slots,     \
                         cols,                                                                  \
-                        master_k, master_v, master_bias, rotations, scale);                    \
+                        master_k, master_v, master_bias, rotations, scale, exact);                    \
     break;
     KMESH_CASE(2) KMESH_CASE(4) KMESH_CASE(8)
 #undef KMESH_CASE

@@ -21,9 +21,17 @@ import torch
 
 from kmesh_blend.cpu.layout import gemm_chunks, pair_values, tile_keys
 
-__all__ = ["LEVELS", "LevelTiming", "choose_level", "time_levels"]
+__all__ = ["LEVELS", "KernelLevel", "LevelTiming", "choose_level", "time_levels"]
 
 LEVELS = ("auto", "loops", "gemm")
+
+
+class KernelLevel(NamedTuple):
+    """How the CPU kernel reads masters: ``gemm`` by matrix products (else its vector loops);
+    ``exact``: bf16 operands it must round (rotated queries, probabilities) as two terms."""
+
+    gemm: bool = False
+    exact: bool = False
 
 
 class LevelTiming(NamedTuple):
@@ -45,11 +53,11 @@ class LevelTiming(NamedTuple):
                 f"{loops:.3f} ms, matrix products {gemm:.3f} ms)")  # fmt: skip
 
 
-def choose_level(setting: str, kernel: Any, dtype: torch.dtype,
-                 heads: tuple[int, int, int]) -> tuple[bool, str]:  # fmt: skip
+def choose_level(setting: str, kernel: Any, dtype: torch.dtype, heads: tuple[int, int, int],
+                 exact: bool = False) -> tuple[bool, str]:  # fmt: skip
     """(whether masters are read by matrix products, why) for ``kmesh.cascade_level``
     ``setting`` on this engine: ``loops`` / ``gemm`` as set (matrix products need bf16),
-    ``auto`` the faster of the two as `time_levels` finds them."""
+    ``auto`` the faster of the two as `time_levels` finds them (with ``exact`` operands)."""
     if setting not in LEVELS:
         raise ValueError(f"kmesh.cascade_level must be one of {LEVELS}, not {setting!r}")
     if setting == "loops":
@@ -58,12 +66,12 @@ def choose_level(setting: str, kernel: Any, dtype: torch.dtype,
         return False, f"shared level on vector loops (matrix products read bfloat16, not {dtype})"
     if setting == "gemm":
         return True, "shared level on matrix products (kmesh.cascade_level: gemm)"
-    timing = time_levels(kernel, heads)
+    timing = time_levels(kernel, heads, exact=exact)
     return timing.gemm, timing.line()
 
 
 def time_levels(kernel: Any, heads: tuple[int, int, int], family: int = 8, rows: int = 1024,
-                reps: int = 7) -> LevelTiming:  # fmt: skip
+                reps: int = 7, exact: bool = False) -> LevelTiming:  # fmt: skip
     """One bf16 kernel call of ``family`` readers (at most 64 query rows) over one master of
     ``rows`` rows, 16 own rows each, on either level: the fastest of ``reps`` runs each, in
     turn, every run from evicted caches (`evict_caches`)."""
@@ -93,7 +101,7 @@ def time_levels(kernel: Any, heads: tuple[int, int, int], family: int = 8, rows:
         out = torch.zeros_like(q)
         mk, mv = layouts[level]
         return lambda: kernel(out, tokens, q, k, v, own_k, own_v, torch.zeros(pool, own),
-                              slots, cols, mk, mv, bias, [rotation], dim**-0.5)  # fmt: skip
+                              slots, cols, mk, mv, bias, [rotation], dim**-0.5, exact)  # fmt: skip
 
     runs = {name: call(name) for name in layouts}
     best = dict.fromkeys(runs, float("inf"))

@@ -61,11 +61,12 @@ class Step(NamedTuple):
 
 def attend_kernel(kernel: Kernel, index: int, step: Step, pool: OwnPool, query: torch.Tensor,
                   key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, heads: Heads,
-                  scale: float) -> None:  # fmt: skip
+                  scale: float, exact: bool = False) -> None:  # fmt: skip
     """Layer ``index`` on the CPU kernel: query [t, H·D], key / value [t, Hkv·D] of the whole
     step; writes the cascade requests' rows of ``out`` [t, H, D] and appends this step's K/V to
-    their slots of ``pool``. Per group, one call per `per_call(heads)` requests (the kernel
-    keeps n · H/Hkv query rows in reach: at most 64); each call reads its group's masters."""
+    their slots of ``pool`` (``exact``: the kernel's two-term bf16 operands). Per group, one
+    call per `per_call(heads)` requests (the kernel keeps n · H/Hkv query rows in reach: at
+    most 64); each call reads its group's masters."""
     num_heads, kv_heads, dim = heads
     query, key, value = (query.view(-1, num_heads, dim), key.view(-1, kv_heads, dim),
                          value.view(-1, kv_heads, dim))  # fmt: skip
@@ -83,7 +84,7 @@ def attend_kernel(kernel: Kernel, index: int, step: Step, pool: OwnPool, query: 
             kernel(
                 out, tokens[a:b], query, key, value, own_k, own_v, own_bias, group.slots[a:b],
                 cols[a:b], master_k, master_v, [bias[a:b] for bias in biases],
-                [r[a:b] for r in group.rotations], scale,
+                [r[a:b] for r in group.rotations], scale, exact,
             )  # fmt: skip
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kmesh_blend.cpu.level import KernelLevel
 from kmesh_blend.vllm.cascade_attend import (
     EngineKV,
     Heads,
@@ -82,7 +83,7 @@ class CascadeDecode:
         self.broken: str | None = None  # set by an error inside the path: vLLM's forward only
         self.sharing: Sharing | None = None  # with kmesh.share_kv_memory (`share`)
         self.guard = SpeedGuard("off")  # set by `cascade_install.install` (kmesh.speed_guard)
-        self.gemm = False  # masters read by matrix products (kmesh.cascade_level; bf16 kernel)
+        self.level = KernelLevel()  # how the CPU kernel reads masters (`cascade_install`)
         self.clock = StepClock()  # the parts of recent cascade steps
         self._parts: StepParts | None = None
         self.step_arm_s = 0.0  # of this step's plan: arming new readers (once per request)
@@ -270,7 +271,7 @@ class CascadeDecode:
                     key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
         assert self.kernel is not None
         attend_kernel(self.kernel, index, step, self.pool, query, key, value, out, self.heads,
-                      attn_scale(layer))  # fmt: skip
+                      attn_scale(layer), self.level.exact)  # fmt: skip
 
     def _attend(self, index: int, step: Step, layer: AttnLayer, query: torch.Tensor,
                 key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kmesh_blend.config import KMeshConfig
+from kmesh_blend.cpu.level import KernelLevel
 from kmesh_blend.segments.master import Master
 from kmesh_blend.vllm.cascade_attend import EngineKV, Heads, Kernel
 from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse, ReqIds
@@ -43,17 +44,17 @@ def install(kv: EngineKV, req_ids: ReqIds,
     plain-torch path, after its own self-check. Then, with ``kmesh.speed_guard`` ``auto``, the
     path is timed against vLLM's kernel (`cascade_probe`) and its `SpeedGuard` decides where it
     serves."""
-    speed_guard, level = config.speed_guard, config.cascade_level
     problem = _unsupported(kv.layers[0], kv.layout)
-    kernel, gemm = None, False
+    kernel, level = None, KernelLevel(exact=config.cascade_exact)
     if problem is None:
         kernel, why = _kernel_for(kv.caches[0].dtype, kv.heads)
         if kernel is not None:
-            gemm = _level(kv, kernel, level)
-            why = _self_check(kv, kernel, gemm)
-            if why is not None and gemm:
+            level = level._replace(gemm=_level(kv, kernel, config.cascade_level, level.exact))
+            why = _self_check(kv, kernel, level)
+            if why is not None and level.gemm:
                 log.warning("kmesh: the shared level's matrix products stay off: %s", why)
-                gemm, why = False, _self_check(kv, kernel, False)
+                level = level._replace(gemm=False)
+                why = _self_check(kv, kernel, level)
             if why is not None:
                 kernel = None
         if kernel is None:
@@ -63,8 +64,8 @@ def install(kv: EngineKV, req_ids: ReqIds,
         log.warning("kmesh: cascade decode stays off: %s", problem)
         return None, problem
     decode = CascadeDecode(kv, req_ids, kernel)
-    decode.gemm = gemm
-    decode.guard = _guard(kv, kernel, speed_guard, gemm)
+    decode.level = level
+    decode.guard = _guard(kv, kernel, config.speed_guard, level)
     vllm_attn.route(kv.layers, decode)
     log.info(
         "kmesh: cascade decode on for %d attention layers (%s, self-check passed)",
@@ -75,23 +76,23 @@ def install(kv: EngineKV, req_ids: ReqIds,
     return decode, None
 
 
-def _level(kv: EngineKV, kernel: Kernel, setting: str) -> bool:
+def _level(kv: EngineKV, kernel: Kernel, setting: str, exact: bool) -> bool:
     """Whether the kernel reads masters by matrix products here (`cpu.level.choose_level`)."""
     from kmesh_blend.cpu.level import choose_level
 
     try:
-        gemm, line = choose_level(setting, kernel, kv.caches[0].dtype, kv.heads)
+        gemm, line = choose_level(setting, kernel, kv.caches[0].dtype, kv.heads, exact)
     except Exception as exc:  # no matrix micro-kernels here: the loops serve
         gemm, line = False, f"shared level on vector loops ({type(exc).__name__}: {exc})"
     log.info("kmesh: %s", line)
     return gemm
 
 
-def _guard(kv: EngineKV, kernel: Kernel | None, mode: str, gemm: bool = False) -> SpeedGuard:
+def _guard(kv: EngineKV, kernel: Kernel | None, mode: str, level: KernelLevel) -> SpeedGuard:
     if mode == "off":
         return SpeedGuard.decide(mode, None)
     try:
-        return SpeedGuard.decide(mode, probe(kv, kernel, gemm=gemm))
+        return SpeedGuard.decide(mode, probe(kv, kernel, level=level))
     except Exception as exc:  # the path passed its self-check: trust the settings, say why
         return SpeedGuard.decide(mode, None, f"{type(exc).__name__}: {exc}")
 
@@ -115,11 +116,12 @@ def _unsupported(layer: AttnLayer, layout: PagedLayout) -> str | None:
     return vllm_attn.unsupported(layer)
 
 
-def _self_check(kv: EngineKV, kernel: Kernel | None, gemm: bool = False) -> str | None:
-    """Run the cascade path (masters read by matrix products with ``gemm``) and vLLM's kernel
-    on scratch blocks of the first layer (never the live cache); None when they agree."""
+def _self_check(kv: EngineKV, kernel: Kernel | None,
+                level: KernelLevel | None = None) -> str | None:  # fmt: skip
+    """Run the cascade path (masters read as ``level`` says) and vLLM's kernel on scratch
+    blocks of the first layer (never the live cache); None when they agree."""
     try:
-        got, want = _scratch_run(kv, kernel, gemm)
+        got, want = _scratch_run(kv, kernel, level or KernelLevel())
     except Exception as exc:  # any failure: keep vLLM's forward
         return f"self-check failed: {type(exc).__name__}: {exc}"
     tol = 1e-4 if kv.caches[0].dtype == torch.float32 else 3e-2
@@ -127,7 +129,8 @@ def _self_check(kv: EngineKV, kernel: Kernel | None, gemm: bool = False) -> str 
     return None if err <= tol else f"self-check differs from vLLM's kernel by {err:.2e} (> {tol})"
 
 
-def _scratch_run(kv: EngineKV, kernel: Kernel | None, gemm: bool) -> tuple[torch.Tensor, ...]:
+def _scratch_run(kv: EngineKV, kernel: Kernel | None,
+                 level: KernelLevel) -> tuple[torch.Tensor, ...]:  # fmt: skip
     layer, cache, layout, rope, heads = kv.layers[0], kv.caches[0], kv.layout, kv.rope, kv.heads
     bs, dtype = layout.block_size, cache.dtype
     num_heads, num_kv_heads, head_dim = heads
@@ -174,7 +177,7 @@ def _scratch_run(kv: EngineKV, kernel: Kernel | None, gemm: bool) -> tuple[torch
     assert batch is not None
     scratch_kv = EngineKV([layer], [scratch], layout, rope, heads)
     decode = CascadeDecode(scratch_kv, lambda n: ["a", "b", "c"][:n], kernel)
-    decode.gemm = gemm
+    decode.level = level
     for name, (offset, prompt, _), ids in zip("ab", shapes, blocks, strict=False):
         slots = slot_mapping(ids, bs, 0, prompt)
         decode.add(name, ids, slots, [MasterUse("m", offset, offset + size, master)])

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from kmesh_blend.cpu.caches import evict_caches
+from kmesh_blend.cpu.level import KernelLevel
 from kmesh_blend.segments.master import Master
 from kmesh_blend.vllm.cascade_attend import EngineKV, Kernel, per_call
 from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse
@@ -33,9 +34,9 @@ ARMS = 3  # the family armed afresh this many times; the fastest counts (as for 
 
 
 def probe(kv: EngineKV, kernel: Kernel | None, family: int = 8, rows: int = 1024,
-          own: int = 64, reps: int = 11, gemm: bool = False) -> Timing:  # fmt: skip
+          own: int = 64, reps: int = 11, level: KernelLevel | None = None) -> Timing:  # fmt: skip
     """`Timing` of ``family`` readers (at most one kernel call's worth) and of one alone; with
-    ``gemm`` the kernel reads the master by matrix products (`CascadeDecode.gemm`)."""
+    the kernel reads masters as ``level`` says (`CascadeDecode.level`)."""
     layer, cache, layout, rope, heads = kv.layers[0], kv.caches[0], kv.layout, kv.rope, kv.heads
     bs, dtype = layout.block_size, cache.dtype
     num_heads, num_kv_heads, head_dim = heads
@@ -88,7 +89,7 @@ def probe(kv: EngineKV, kernel: Kernel | None, family: int = 8, rows: int = 1024
         arm = math.inf
         for _ in range(ARMS):
             decode = CascadeDecode(scratch_kv, lambda m: names[:m], kernel)
-            decode.gemm = gemm
+            decode.level = level or KernelLevel()
             for name, ids in zip(names[:n], blocks[:n], strict=True):
                 uses = [MasterUse("probe", own, prompt, master)]
                 decode.add(name, ids, slot_mapping(ids, bs, 0, prompt), uses)

@@ -109,7 +109,7 @@ def arm_reader(d: CascadeDecode, req_id: str, plan: DecodePlan) -> bool:
     for use in plan.uses:
         if use.key not in d.masters:
             d.masters[use.key] = SharedMaster.of(
-                use.master, d.caches[0].dtype, tiled=d.kernel is not None, gemm=d.gemm
+                use.master, d.caches[0].dtype, tiled=d.kernel is not None, gemm=d.level.gemm
             )
         d.masters[use.key].users += 1
     if d.sharing is not None:

@@ -110,7 +110,9 @@ def _serve(path: Path, dtype: str, model: str, doc_len: int, **kmesh: Any) -> li
         if kmesh.get("cascade_decode"):
             _check_clock(tokens)
         if kmesh.get("cascade_level") in ("loops", "gemm") and KERNEL == "cpu":
-            assert live_worker().cascade.gemm == (kmesh["cascade_level"] == "gemm")
+            level = live_worker().cascade.level
+            assert level.gemm == (kmesh["cascade_level"] == "gemm")
+            assert level.exact == kmesh.get("cascade_exact", False)
         return [*out, tail]
     finally:
         del llm
@@ -190,12 +192,14 @@ BF16_LOGPROB_BOUND = 0.25
 BF16_MIN_IDENTICAL = 9  # of the 13 follow-ups
 
 
-@pytest.mark.parametrize("level", ["loops", "gemm"])
-def test_bf16_families_stay_within_vllms_own_batch_noise(level: str) -> None:
-    """Either shared level (`kmesh.cascade_level`: vector loops, matrix products)."""
+@pytest.mark.parametrize(("level", "exact"), [("loops", False), ("gemm", False), ("loops", True)])
+def test_bf16_families_stay_within_vllms_own_batch_noise(level: str, exact: bool) -> None:
+    """Either shared level (`kmesh.cascade_level`: vector loops, matrix products), operands
+    rounded once (the default) or as two bf16 terms (`kmesh.cascade_exact`)."""
     path, doc_len = smollm2_checkpoint(), 256
     off = _serve(path, "bfloat16", "smollm2", doc_len, cascade_decode=False)
-    on = _serve(path, "bfloat16", "smollm2", doc_len, cascade_decode=True, cascade_level=level)
+    on = _serve(path, "bfloat16", "smollm2", doc_len, cascade_decode=True, cascade_level=level,
+                cascade_exact=exact)  # fmt: skip
     identical, worst = 0, 0.0
     for (tokens_off, lp_off, _), (tokens_on, lp_on, report) in zip(off[:-1], on[:-1], strict=True):
         assert report is not None and report["cascade_steps"] == MAX_TOKENS["smollm2"] - 1
