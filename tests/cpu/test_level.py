@@ -8,20 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from kmesh_blend.cpu import cascade_decode_op, cpu_kernel_expected
 from kmesh_blend.cpu.caches import last_level_cache_bytes
 from kmesh_blend.cpu.level import LevelTiming, choose_level, time_levels
 
 HEADS = (9, 3, 64)  # SmolLM2's query heads, KV heads, head size
-
-
-@pytest.fixture(scope="module")
-def kernel() -> Any:
-    op, why = cascade_decode_op()
-    if op is None:
-        assert not cpu_kernel_expected(), f"this machine should build the kernel: {why}"
-        pytest.skip(f"no CPU kernel here: {why}")
-    return op
 
 
 def test_settings_choose_the_level_or_name_the_bad_value(kernel: Any) -> None:
