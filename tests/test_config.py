@@ -64,6 +64,8 @@ def test_round_trip() -> None:
         "kmesh.share_kv_memory": False,
         "kmesh.share_kv_host_bytes": 1 << 30,
         "kmesh.speed_guard": "auto",
+        "kmesh.cascade_level": "auto",
+        "kmesh.cascade_exact": False,
     }
     back = KMeshConfig.from_extra_config(extra)
     assert back == cfg
