@@ -8,11 +8,13 @@ contexts of one layer fit in the last-level cache (8 readers of 1,024 rows at Sm
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-__all__ = ["evict_caches", "last_level_cache_bytes"]
+__all__ = ["evict_caches", "fastest_cold", "last_level_cache_bytes"]
 
 
 def last_level_cache_bytes() -> int:
@@ -37,6 +39,24 @@ def evict_caches() -> None:
     if _evict_buffer is None:
         _evict_buffer = torch.ones(2 * last_level_cache_bytes() // 4)
     _evict_buffer.amax()
+
+
+def fastest_cold(a: Callable[[], object], b: Callable[[], object],
+                 reps: int) -> tuple[float, float, int]:  # fmt: skip
+    """Fastest seconds of ``a`` and ``b``, run in turn ``reps`` times after one warm-up each
+    (a shared machine only ever adds time: the fastest run is the kernel's own), each from
+    caches holding none of its data (`evict_caches`), and in how many of those paired runs
+    ``a`` took longer than ``b``."""
+    a(), b()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(reps):
+        for fn, into in ((a, times[0]), (b, times[1])):
+            evict_caches()
+            start = time.perf_counter()
+            fn()
+            into.append(time.perf_counter() - start)
+    lost = sum(ta > tb for ta, tb in zip(*times, strict=True))
+    return min(times[0]), min(times[1]), lost
 
 
 _FALLBACK_CACHE = 32 << 20

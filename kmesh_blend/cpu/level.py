@@ -13,12 +13,12 @@ Plain torch and the kernel; no vLLM.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
+from kmesh_blend.cpu.caches import fastest_cold
 from kmesh_blend.cpu.layout import gemm_chunks, pair_values, tile_keys
 
 __all__ = ["LEVELS", "KernelLevel", "LevelTiming", "choose_level", "time_levels"]
@@ -74,9 +74,7 @@ def time_levels(kernel: Any, heads: tuple[int, int, int], family: int = 8, rows:
                 reps: int = 7, exact: bool = False) -> LevelTiming:  # fmt: skip
     """One bf16 kernel call of ``family`` readers (at most 64 query rows) over one master of
     ``rows`` rows, 16 own rows each, on either level: the fastest of ``reps`` runs each, in
-    turn, every run from evicted caches (`evict_caches`)."""
-    from kmesh_blend.cpu.caches import evict_caches
-
+    turn, every run from evicted caches (`fastest_cold`)."""
     num_heads, kv_heads, dim = heads
     family = max(1, min(family, 64 * kv_heads // num_heads))
     gen = torch.Generator().manual_seed(0)
@@ -103,14 +101,5 @@ def time_levels(kernel: Any, heads: tuple[int, int, int], family: int = 8, rows:
         return lambda: kernel(out, tokens, q, k, v, own_k, own_v, torch.zeros(pool, own),
                               slots, cols, mk, mv, bias, [rotation], dim**-0.5, exact)  # fmt: skip
 
-    runs = {name: call(name) for name in layouts}
-    best = dict.fromkeys(runs, float("inf"))
-    for fn in runs.values():
-        fn()  # warm-up: the micro-kernels are generated on first use
-    for _ in range(reps):
-        for name, fn in runs.items():
-            evict_caches()
-            start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return LevelTiming(best["loops"], best["gemm"], family, rows)
+    loops_s, gemm_s, _ = fastest_cold(call("loops"), call("gemm"), reps)
+    return LevelTiming(loops_s, gemm_s, family, rows)

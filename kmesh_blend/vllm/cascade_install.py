@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kmesh_blend.config import KMeshConfig
-from kmesh_blend.cpu.level import KernelLevel
+from kmesh_blend.cpu.level import KernelLevel, choose_level
 from kmesh_blend.segments.master import Master
 from kmesh_blend.vllm.cascade_attend import EngineKV, Heads, Kernel
 from kmesh_blend.vllm.cascade_decode import CascadeDecode, MasterUse, ReqIds
@@ -78,8 +78,6 @@ def install(kv: EngineKV, req_ids: ReqIds,
 
 def _level(kv: EngineKV, kernel: Kernel, setting: str, exact: bool) -> bool:
     """Whether the kernel reads masters by matrix products here (`cpu.level.choose_level`)."""
-    from kmesh_blend.cpu.level import choose_level
-
     try:
         gemm, line = choose_level(setting, kernel, kv.caches[0].dtype, kv.heads, exact)
     except Exception as exc:  # no matrix micro-kernels here: the loops serve

@@ -14,12 +14,10 @@ under a second on 2 cores.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
 
 import torch
 
-from kmesh_blend.cpu.caches import evict_caches
+from kmesh_blend.cpu.caches import fastest_cold
 from kmesh_blend.cpu.level import KernelLevel
 from kmesh_blend.segments.master import Master
 from kmesh_blend.vllm.cascade_attend import EngineKV, Kernel, per_call
@@ -98,27 +96,9 @@ def probe(kv: EngineKV, kernel: Kernel | None, family: int = 8, rows: int = 1024
                 why = decode.broken
                 raise RuntimeError(f"the probe's readers did not decode in cascade: {why}")
             arm = min(arm, decode.clock.steps[-1].arm_s / n)
-        return (*_fastest(cascade, vllm, reps), arm)
+        return (*fastest_cold(cascade, vllm, reps), arm)
 
     family_s, family_stock_s, family_lost, arm_s = pair(family)
     alone_s, alone_stock_s, alone_lost, _ = pair(1)
     return Timing(family, rows, prompt + 1, family_s, family_stock_s, alone_s, alone_stock_s,
                   reps, family_lost, alone_lost, arm_s)  # fmt: skip
-
-
-def _fastest(a: Callable[[], object], b: Callable[[], object],
-             reps: int) -> tuple[float, float, int]:  # fmt: skip
-    """Fastest seconds of ``a`` and ``b``, run in turn ``reps`` times after one warm-up each
-    (a shared machine only ever adds time: the fastest run is the kernel's own), each from
-    caches holding none of its data (`evict_caches`), and in how many of those paired runs
-    ``a`` took longer than ``b``."""
-    a(), b()
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(reps):
-        for fn, into in ((a, times[0]), (b, times[1])):
-            evict_caches()
-            start = time.perf_counter()
-            fn()
-            into.append(time.perf_counter() - start)
-    lost = sum(ta > tb for ta, tb in zip(*times, strict=True))
-    return min(times[0]), min(times[1]), lost
