@@ -101,6 +101,7 @@ def main() -> None:
     per_round: dict[str, list[float]] = {}  # label → median step of each round
     new_tokens = decode_steps + 1
     guard: dict[str, Any] = {}
+    parts: dict[str, float] = {}  # median ms per cascade step of the family, over every layer
 
     def stock_engine() -> None:
         llm = make_llm(path, **common)
@@ -127,6 +128,7 @@ def main() -> None:
         def pause(paused: bool) -> None:
             cascade.paused = paused
 
+        seen = cascade.clock.serial
         for i in range(rounds):  # on / paused back to back, order alternating
             sides = (("on", False), ("off", True))
             for label, paused in sides if i % 2 == 0 else sides[::-1]:
@@ -145,6 +147,11 @@ def main() -> None:
                 per_round.setdefault(label, []).append(statistics.median(durations))
         pause(False)
         guard.update(guard_decision(cascade.guard))
+        # the cascade steps' own parts (`cascade_clock`): planning, arming, the kernel
+        full = [p for p in cascade.clock.since(seen) if p.cascade == len(family) and not p.arm_s]
+        if full:
+            parts.update({name: round(statistics.median(getattr(p, f"{name}_s") for p in full)
+                                      * 1e3, 3) for name in ("plan", "cascade")})  # fmt: skip
         del llm
         gc.collect()
 
@@ -181,6 +188,10 @@ def main() -> None:
         print(f"shared level alone, one step over every layer (bf16, the kernel alone, from "
               f"evicted caches): loops {level['loops']:.2f} ms, matrix products "
               f"{level['gemm']:.2f} ms")  # fmt: skip
+    if parts:
+        print(f"a cascade step of the family in parts (median, every layer): planning "
+              f"{parts['plan']:.2f} ms, the kernel {parts['cascade']:.2f} ms, the rest of the "
+              f"step {med['on'] * 1e3 - parts['plan'] - parts['cascade']:.2f} ms")  # fmt: skip
     kept_out = [str(r).startswith("speed guard") for r in fell_back]
     if args.speed_guard == "auto" and all(kept_out) and not any(cascaded):
         print(f"the speed guard kept the family on vLLM's kernel: {fell_back[0]}")
@@ -227,6 +238,7 @@ def main() -> None:
                 "cascade_steps": cascaded,
                 "shared_rows": [int(r.get("cascade_shared_rows", 0)) for r in reports],
                 "bytes_model": model,
+                "cascade_step_parts_ms": parts,
                 **details,
             },
         }

@@ -1,5 +1,6 @@
 """CPU kernels in C++ (AVX-512), compiled on first use; public API: `cascade_decode_op`,
-`verify_rows_op` (arming a cascade reader: its rows against a master, `verify_rows.cpp`).
+`verify_rows_op` (arming a cascade reader: its rows against a master, `verify_rows.cpp`),
+`fill_own_op` (a reader's own rows from the paged cache into the kernel's tiles, `fill_own.cpp`).
 
 A family's decode attention on this CPU is bound by arithmetic (vLLM's fused CPU kernel reaches
 ≈ 31 GFLOP/s on it), and cascade does the same arithmetic as per-request attention; what it
@@ -23,11 +24,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cascade_decode_op", "cpu_flags", "cpu_kernel_expected", "verify_rows_op"]
+__all__ = ["cascade_decode_op", "cpu_flags", "cpu_kernel_expected", "fill_own_op", "verify_rows_op"]
 
 log = logging.getLogger("kmesh_blend.cpu")
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cascade_decode.cpp", "verify_rows.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("cascade_decode.cpp", "verify_rows.cpp", "fill_own.cpp")
+]
 _NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # -ffp-contract=off: products and sums rounded one by one, as torch's ops round them
 _FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
@@ -83,6 +87,15 @@ def verify_rows_op() -> Callable[..., Any] | None:
 
     # never builds: arming must not wait on a compiler; the kernels are built at install
     return torch.ops.kmesh_cpu.verify_rows if _loaded is not None and _loaded[0] else None
+
+
+def fill_own_op() -> Callable[..., Any] | None:
+    """``torch.ops.kmesh_cpu.fill_own`` (`fill_own.cpp`: a reader's rows from the paged cache into
+    its slot of own rows, every layer in one call) once this process loaded the kernels, else
+    None (callers keep torch ops; never builds, as `verify_rows_op`)."""
+    import torch
+
+    return torch.ops.kmesh_cpu.fill_own if _loaded is not None and _loaded[0] else None
 
 
 def _load() -> tuple[Callable[..., Any] | None, str | None]:

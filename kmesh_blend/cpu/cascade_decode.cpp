@@ -33,6 +33,7 @@ namespace {
 using bf16 = c10::BFloat16;
 constexpr int kChunk = 256;  // master keys per work item (even): enough items for two threads
 constexpr int kRows = 12;    // query rows per score tile (accumulators held in registers)
+constexpr float kMaskedBelow = -1e29f;  // a bias at or below: the key is masked (-1e30)
 
 inline __mmask16 lanes(int left) {
   if (left <= 0) return 0;
@@ -380,7 +381,19 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
     const bf16 ra(qf[2 * i] - static_cast<float>(a)), rb(qf[2 * i + 1] - static_cast<float>(b));
     qp[rows * D / 2 + i] = static_cast<uint32_t>(ra.x) | (static_cast<uint32_t>(rb.x) << 16);
   }
-  // GEMM levels (masters in chunks): per (master, KV head) the n * G query rows as one bf16
+  // Per master, the requests that read it in this layer (a bias row with a key not masked):
+  // the others would only add zero-weight states, at the cost of a full pass over its keys
+  // (requests of several families joined by a common short segment read one document each).
+  std::vector<std::vector<int64_t>> readers(static_cast<size_t>(M));
+  for (int64_t g = 0; g < M; ++g) {
+    const float* mb = master_bias[g].data_ptr<float>();
+    const int64_t S = master_bias[g].size(1), mbs = master_bias[g].stride(0);
+    for (int64_t r = 0; r < n; ++r) {
+      const float* b = mb + r * mbs;
+      if (std::any_of(b, b + S, [](float x) { return x > kMaskedBelow; })) readers[g].push_back(r);
+    }
+  }
+  // GEMM levels (masters in chunks): per (master, KV head) its readers' query rows as one bf16
   // matrix, then (split) what their rounding left.
   const int64_t G2 = 2 * n * G;
   std::vector<bf16> qa;
@@ -388,13 +401,16 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
   for (int64_t g = 0; g < M; ++g) any_gemm = any_gemm || master_k[g].dim() == 4;
   if (any_gemm) {
     qa.resize(static_cast<size_t>(M * Hkv * G2 * D));
-    for (int64_t g = 0; g < M; ++g)
+    for (int64_t g = 0; g < M; ++g) {
+      const int64_t k = static_cast<int64_t>(readers[g].size());
       for (int64_t h = 0; h < Hkv; ++h)
-        for (int64_t r = 0; r < n; ++r)
+        for (int64_t a = 0; a < k; ++a)
           for (int64_t i = 0; i < G; ++i) {
-            bf16* dst = qa.data() + ((g * Hkv + h) * G2 + r * G + i) * D;
-            split_bf16(qf.data() + (((1 + g) * n + r) * H + h * G + i) * D, dst, dst + n * G * D, D);
+            const int64_t r = readers[g][a];
+            bf16* dst = qa.data() + ((g * Hkv + h) * G2 + a * G + i) * D;
+            split_bf16(qf.data() + (((1 + g) * n + r) * H + h * G + i) * D, dst, dst + k * G * D, D);
           }
+    }
   }
   // Work items: own rows per (request, KV head); each master per (KV head, chunk of keys).
   std::vector<Item<T>> items;
@@ -418,7 +434,10 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
       it.k = ok + (slot[r] * Hkv + h) * D * C;
       it.v = ov + (slot[r] * Hkv + h) * C * D;
       it.j0 = 0;
-      it.j1 = static_cast<int>(C);
+      // up to the slot's last column not masked: a slot's width has headroom past its rows
+      int64_t used = C;
+      while (used > 0 && ob[slot[r] * obs + used - 1] <= kMaskedBelow) --used;
+      it.j1 = static_cast<int>(used);
       items.push_back(it);
     }
   for (int64_t g = 0; g < M; ++g) {
@@ -428,14 +447,16 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
     const int64_t mbs = master_bias[g].stride(0);
     const bool gemm = master_k[g].dim() == 4;  // [Hkv, chunks, D, width]: chunk j is a GEMM
     const int64_t step = gemm ? master_k[g].size(3) : kChunk;
-    for (int64_t h = 0; h < Hkv; ++h)
+    const int64_t k = static_cast<int64_t>(readers[g].size());
+    for (int64_t h = 0; h < Hkv && k > 0; ++h)
       for (int64_t j0 = 0; j0 < S; j0 += step) {
         Item<T> it{};
-        it.rows = static_cast<int>(n * G);
-        for (int64_t r = 0; r < n; ++r)
+        it.rows = static_cast<int>(k * G);
+        for (int64_t a = 0; a < k; ++a)
           for (int64_t i = 0; i < G; ++i) {
-            query_row(1 + g, r, h * G + i, it, static_cast<int>(r * G + i));
-            it.bias[r * G + i] = mb + r * mbs;
+            const int64_t r = readers[g][a];
+            query_row(1 + g, r, h * G + i, it, static_cast<int>(a * G + i));
+            it.bias[a * G + i] = mb + r * mbs;
           }
         it.k = master_k[g].data_ptr<T>() + h * S16 * 16 * D;
         it.v = master_v[g].data_ptr<T>() + h * S2 * D * 2;
@@ -481,16 +502,19 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
     }
   }
   if (failed) std::rethrow_exception(failed);
-  // Merge per (request, query head): own state, then every chunk of every master.
+  // Merge per (request, query head): own state, then every chunk of every master it reads.
+  std::vector<std::vector<int64_t>> place(static_cast<size_t>(M), std::vector<int64_t>(n, -1));
+  for (int64_t g = 0; g < M; ++g)
+    for (size_t a = 0; a < readers[g].size(); ++a) place[g][readers[g][a]] = static_cast<int64_t>(a);
   T* o = out.data_ptr<T>();
   for (int64_t r = 0; r < n; ++r)
     for (int64_t hq = 0; hq < H; ++hq) {
       const int64_t h = hq / G, i = hq % G;
       std::vector<const float*> parts{items[r * Hkv + h].state + i * (2 + D)};
       for (int64_t g = 0; g < M; ++g) {
-        const int64_t chunks = (first_chunk[g + 1] - first_chunk[g]) / Hkv;
-        for (int64_t c = 0; c < chunks; ++c)
-          parts.push_back(items[first_chunk[g] + h * chunks + c].state + (r * G + i) * (2 + D));
+        const int64_t chunks = (first_chunk[g + 1] - first_chunk[g]) / Hkv, a = place[g][r];
+        for (int64_t c = 0; c < chunks && a >= 0; ++c)
+          parts.push_back(items[first_chunk[g] + h * chunks + c].state + (a * G + i) * (2 + D));
       }
       float top = -INFINITY;
       for (const float* p : parts) top = std::max(top, p[0]);

@@ -15,16 +15,25 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from kmesh_blend.attention.decode import MasterRows, decode_cascade
+from kmesh_blend.attention.decode import MasterRows, OwnRows, decode_cascade
 from kmesh_blend.models.rope import RotaryEmbedding
-from kmesh_blend.vllm.cascade_buffers import Group, OwnPool, gathered
+from kmesh_blend.vllm.cascade_buffers import Composition, Group, OwnPool
 from kmesh_blend.vllm.paged import PagedLayout
 from kmesh_blend.vllm.seam.cpu_attention import KernelBatch
 
 if TYPE_CHECKING:
     from kmesh_blend.vllm.seam.cpu_attention import AttnLayer
 
-__all__ = ["EngineKV", "Heads", "Kernel", "Step", "attend_kernel", "attend_torch"]
+__all__ = [
+    "EngineKV",
+    "Heads",
+    "Kernel",
+    "KernelCalls",
+    "Step",
+    "attend_kernel",
+    "attend_torch",
+    "gathered",
+]
 
 Kernel = Callable[..., object]  # torch.ops.kmesh_cpu.cascade_decode (see kmesh_blend/cpu)
 
@@ -57,35 +66,66 @@ class Step(NamedTuple):
     # rows before this step's token [g] int64
     groups: list[tuple[Group, torch.Tensor, torch.Tensor]]
     others: tuple[torch.Tensor, KernelBatch] | None  # the step's other requests, for vLLM
+    calls: KernelCalls | None = None  # the CPU kernel's calls (None: the torch path)
 
 
-def attend_kernel(kernel: Kernel, index: int, step: Step, pool: OwnPool, query: torch.Tensor,
+Call = tuple[torch.Tensor, tuple[object, ...]]  # query rows [c] int64, the other arguments
+
+
+class KernelCalls:
+    """The CPU kernel's calls of one composition (`cascade_buffers.Composition`), per layer:
+    the arguments that stay while the set of requests and the pool's storage stay, built once
+    instead of per layer and step (slicing them in Python every layer cost about 20 µs a layer,
+    a few % of a small model's decode step). What moves from step to step — the requests' query
+    rows in the batch and the own column this step's row goes to — is written in place
+    (`advance`) into buffers the calls hold views of. Per group, one call per `per_call(heads)`
+    requests (the kernel keeps n · H/Hkv query rows in reach: at most 64)."""
+
+    def __init__(self, composition: Composition, pool: OwnPool, heads: Heads) -> None:
+        self.composition, self.generation = composition, pool.generation
+        chunk = per_call(heads)
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.layers: list[list[Call]] = [[] for _ in range(pool.num_layers)]
+        for group in composition.groups:
+            g = int(group.rows.numel())
+            tokens = torch.zeros(g, dtype=torch.int64)
+            cols = torch.zeros_like(group.first_free)  # [L, g]
+            self._buffers.append((tokens, cols, group.first_free))
+            for index, calls in enumerate(self.layers):
+                master_k = [level.master.k_t[index] for level in group.levels]
+                master_v = [level.master.v[index] for level in group.levels]
+                for a in range(0, g, chunk):
+                    b = min(a + chunk, g)
+                    calls.append((tokens[a:b], (
+                        pool.k[index], pool.v[index], pool.bias[index], group.slots[a:b],
+                        cols[index, a:b], master_k, master_v,
+                        [level.bias[index, a:b] for level in group.levels],
+                        [r[a:b] for r in group.rotations],
+                    )))  # fmt: skip
+
+    def serves(self, composition: Composition, pool: OwnPool) -> bool:
+        """Whether these calls are ``composition``'s on ``pool``'s current storage."""
+        return composition is self.composition and pool.generation == self.generation
+
+    def advance(self, groups: list[tuple[Group, torch.Tensor, torch.Tensor]]) -> None:
+        """This step's query rows and own columns (`Step.groups`, this composition's order)."""
+        for (tokens, cols, first), (_, rows, generated) in zip(self._buffers, groups, strict=True):
+            tokens.copy_(rows)
+            torch.add(first, generated, out=cols)
+
+
+def attend_kernel(kernel: Kernel, index: int, calls: KernelCalls, query: torch.Tensor,
                   key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, heads: Heads,
                   scale: float, exact: bool = False) -> None:  # fmt: skip
     """Layer ``index`` on the CPU kernel: query [t, H·D], key / value [t, Hkv·D] of the whole
     step; writes the cascade requests' rows of ``out`` [t, H, D] and appends this step's K/V to
-    their slots of ``pool`` (``exact``: the kernel's two-term bf16 operands). Per group, one
-    call per `per_call(heads)` requests (the kernel keeps n · H/Hkv query rows in reach: at
-    most 64); each call reads its group's masters."""
+    their slots of the pool (``exact``: the kernel's two-term bf16 operands); each call reads
+    its group's masters (`KernelCalls`)."""
     num_heads, kv_heads, dim = heads
     query, key, value = (query.view(-1, num_heads, dim), key.view(-1, kv_heads, dim),
                          value.view(-1, kv_heads, dim))  # fmt: skip
-    own_k, own_v, own_bias = pool.k[index], pool.v[index], pool.bias[index]
-    chunk = per_call(heads)
-    for group, tokens, generated in step.groups:
-        cols = group.first_free[index] + generated
-        levels = group.levels
-        master_k = [level.master.k_t[index] for level in levels]
-        master_v = [level.master.v[index] for level in levels]
-        biases = [level.bias[index] for level in levels]
-        n = int(tokens.numel())
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
-            kernel(
-                out, tokens[a:b], query, key, value, own_k, own_v, own_bias, group.slots[a:b],
-                cols[a:b], master_k, master_v, [bias[a:b] for bias in biases],
-                [r[a:b] for r in group.rotations], scale, exact,
-            )  # fmt: skip
+    for tokens, rest in calls.layers[index]:
+        kernel(out, tokens, query, key, value, *rest, scale, exact)
 
 
 def per_call(heads: Heads) -> int:
@@ -113,3 +153,12 @@ def attend_torch(index: int, step: Step, pool: OwnPool, query: torch.Tensor,
         ]
         own, bias = gathered(pool, group, index)
         out[tokens] = decode_cascade(query_f32, own, masters, bias, scale).to(out.dtype)
+
+
+def gathered(pool: OwnPool, group: Group, layer: int) -> tuple[OwnRows, torch.Tensor]:
+    """The torch path's inputs of layer ``layer``: the group's own rows (copies gathered from
+    their slots) and its bias [g, C + ΣS] fp32 over own rows then every level."""
+    slots = group.slots
+    own = OwnRows(pool.k[layer][slots], pool.v[layer][slots])
+    levels = (level.bias[layer] for level in group.levels)
+    return own, torch.cat((pool.bias[layer][slots], *levels), dim=1)

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from kmesh_blend.attention.decode import MASKED, OwnRows
+from kmesh_blend.attention.decode import MASKED
+from kmesh_blend.cpu import fill_own_op
 from kmesh_blend.cpu.layout import pair_values, tile_keys
 from kmesh_blend.models.rope import RotaryEmbedding
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
@@ -36,7 +37,6 @@ __all__ = [
     "OwnPool",
     "Sources",
     "compose",
-    "gathered",
     "partition",
 ]
 
@@ -71,6 +71,7 @@ class OwnPool:
         self.tiled = tiled
         self.slots: dict[str, int] = {}
         self.filled: list[int] = []
+        self.generation = 0  # counts storage replacements (views of older tensors are stale)
         self._clear(0, 0)
 
     @property
@@ -88,6 +89,7 @@ class OwnPool:
         return sum(t.nbytes for t in (*self.k, *self.v, self.bias))
 
     def _clear(self, slots: int, width: int) -> None:
+        self.generation += 1
         self.k = [self._zeros_k(slots, width) for _ in range(self.num_layers)]
         self.v = [self._zeros_v(slots, width) for _ in range(self.num_layers)]
         self.bias = torch.full((self.num_layers, slots, width), MASKED)
@@ -159,24 +161,27 @@ class OwnPool:
         block_size = src.layout.block_size
         pos = torch.arange(plan.num_tokens, plan.num_tokens + generated)
         blocks = block_row.to(torch.int64)[pos // block_size]
-        slots = blocks * block_size + pos % block_size
-        for layer, cache in enumerate(src.caches):
-            # its prompt rows, then its generated rows (in blocks after its prompt: never given
-            # back)
+        slots = blocks * block_size + pos % block_size  # its generated rows (never given back)
+        fill = fill_own_op() if self.tiled and plan.release is None else None
+        if fill is not None and not src.layout.packed and src.caches[0].device.type == "cpu":
+            views = [src.layout.views(cache) for cache in src.caches]  # one pass, every layer
+            rows = [torch.cat((plan.own_slots[layer], slots)) for layer in range(len(views))]
+            fill([k for k, _ in views], [v for _, v in views], rows, self.k, self.v, slot)
+        for layer, cache in enumerate(src.caches if fill is None else []):
+            # its prompt rows (its blocks, or its mirror once blocks went), then its generated
             gk, gv = src.layout.read(cache, slots.to(cache.device))
             pk, pv = plan.own_rows(layer, src.layout, cache)
             rk = torch.cat((pk, gk.cpu())).to(self.dtype).permute(1, 2, 0)  # [Hkv, D, rows]
             rv = torch.cat((pv, gv.cpu())).to(self.dtype).transpose(0, 1)  # [Hkv, rows, D]
-            rows = own[layer] + generated
             if self.tiled:  # whole tiles / pairs: what lies past the rows in them is masked
                 tiles, pairs = tile_keys(rk), pair_values(rv)
                 self.k[layer][slot, :, : tiles.shape[1]] = tiles
                 self.v[layer][slot, :, : pairs.shape[1]] = pairs
             else:
-                self.k[layer][slot, ..., :rows] = rk
-                self.v[layer][slot, :, :rows] = rv
-            self.bias[layer, slot] = MASKED
-            self.bias[layer, slot, :rows] = 0.0
+                self.k[layer][slot, ..., : rk.shape[-1]] = rk
+                self.v[layer][slot, :, : rv.shape[1]] = rv
+        rows_held = torch.tensor(own, dtype=torch.int64)[:, None] + generated  # [L, 1]
+        self.bias[:, slot] = torch.where(torch.arange(self.width) < rows_held, 0.0, MASKED)
         self.first_free[:, slot] = torch.tensor(own, dtype=torch.int64)
         self.filled[slot] = generated
         return slot
@@ -287,12 +292,3 @@ def _group(members: list[int], plans: list[DecodePlan], slots: list[int], pool: 
         rotations = [src.rope.apply(basis, level.back).contiguous() for level in levels]
     rows = torch.tensor(members, dtype=torch.int64)
     return Group(rows, index, pool.first_free[:, index], levels, rotations)
-
-
-def gathered(pool: OwnPool, group: Group, layer: int) -> tuple[OwnRows, torch.Tensor]:
-    """The torch path's inputs of layer ``layer``: the group's own rows (copies gathered from
-    their slots) and its bias [g, C + ΣS] fp32 over own rows then every level."""
-    slots = group.slots
-    own = OwnRows(pool.k[layer][slots], pool.v[layer][slots])
-    levels = (level.bias[layer] for level in group.levels)
-    return own, torch.cat((pool.bias[layer][slots], *levels), dim=1)

@@ -33,6 +33,7 @@ from kmesh_blend.vllm.cascade_attend import (
     EngineKV,
     Heads,
     Kernel,
+    KernelCalls,
     Step,
     attend_kernel,
     attend_torch,
@@ -76,6 +77,7 @@ class CascadeDecode:
         self._meta: tuple[object, int] | None = None  # what the cached step was built for
         self._step: Step | None = None
         self.composition: Composition | None = None
+        self.calls: KernelCalls | None = None  # the CPU kernel's, of the last composition
         # each cascade request's own rows, one slot for its whole decode (CPU kernel: the KV
         # dtype in its tiles; torch path: fp32)
         self.pool = OwnPool(len(self.caches), (self.num_kv_heads, self.head_dim),
@@ -94,7 +96,7 @@ class CascadeDecode:
     def share(self, world_size: int, cap: int) -> None:
         """Give back readers' segment blocks from now on (``kmesh.share_kv_memory``), their
         mirrors within ``cap`` bytes."""
-        off = None  # (the speed guard decides per reader: `cascade_step.arm_reader`)
+        off = None  # (the speed guard decides per reader: `cascade_step.give_back`)
         if self.kernel is None:
             off = "cascade decode runs on its plain-torch fallback, not the CPU kernel"
         elif world_size > 1:
@@ -269,8 +271,8 @@ class CascadeDecode:
 
     def _run_kernel(self, index: int, step: Step, layer: AttnLayer, query: torch.Tensor,
                     key: torch.Tensor, value: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
-        assert self.kernel is not None
-        attend_kernel(self.kernel, index, step, self.pool, query, key, value, out, self.heads,
+        assert self.kernel is not None and step.calls is not None
+        attend_kernel(self.kernel, index, step.calls, query, key, value, out, self.heads,
                       attn_scale(layer), self.level.exact)  # fmt: skip
 
     def _attend(self, index: int, step: Step, layer: AttnLayer, query: torch.Tensor,

@@ -15,7 +15,8 @@ import torch
 
 from kmesh_blend.attention.decode import MASKED, MasterRows, decode_cascade
 from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
-from kmesh_blend.vllm.cascade_buffers import OwnPool, Sources, compose, gathered, partition
+from kmesh_blend.vllm.cascade_attend import gathered
+from kmesh_blend.vllm.cascade_buffers import OwnPool, Sources, compose, partition
 from kmesh_blend.vllm.decode_plan import DecodePlan, MasterUse, SharedMaster
 from kmesh_blend.vllm.paged import PagedLayout, slot_mapping
 
