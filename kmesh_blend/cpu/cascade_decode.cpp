@@ -107,8 +107,36 @@ inline void store_scores(const Item<T>& it, int i0, int j, __mmask16 m, const __
 // (fp32 sums), fp32 pairs split and multiplied in fp32.
 template <int NC, int R, bool SPLIT>
 void score_bf16(const Item<bf16>& it, int i0, float scale, float* scores, int lds) {
+  // Few rows (a request's own rows: one query head group): T tiles of keys at once, so R * T
+  // products are in flight per load instead of R (the sums per score are the same, in order).
+  constexpr int T = R <= 3 ? 4 : (R <= 6 ? 2 : 1);
+  constexpr int64_t kTile = 16 * NC * 16;  // elements of one tile of 16 keys
   const int width = it.j1 - it.j0;
-  for (int j = 0; j < width; j += 16) {
+  int j = 0;
+  if constexpr (T > 1) {
+    for (; j + 16 * T <= width; j += 16 * T) {
+      __m512 acc[T][R];
+      for (int t = 0; t < T; ++t)
+        for (int i = 0; i < R; ++i) acc[t][i] = _mm512_setzero_ps();
+      const auto* tile = it.k + static_cast<int64_t>((it.j0 + j) / 16) * kTile;
+      for (int d2 = 0; d2 < 8 * NC; ++d2) {
+        __m512bh q[R], ql[R];
+        for (int i = 0; i < R; ++i) {
+          q[i] = (__m512bh)_mm512_set1_epi32(it.qp[i0 + i][d2]);
+          if (SPLIT) ql[i] = (__m512bh)_mm512_set1_epi32(it.ql[i0 + i][d2]);
+        }
+        for (int t = 0; t < T; ++t) {
+          const __m512bh k = (__m512bh)_mm512_loadu_si512(tile + t * kTile + d2 * 32);
+          for (int i = 0; i < R; ++i) {
+            acc[t][i] = _mm512_dpbf16_ps(acc[t][i], q[i], k);
+            if (SPLIT) acc[t][i] = _mm512_dpbf16_ps(acc[t][i], ql[i], k);
+          }
+        }
+      }
+      for (int t = 0; t < T; ++t) store_scores<R>(it, i0, j + 16 * t, 0xFFFF, acc[t], scale, scores, lds);
+    }
+  }
+  for (; j < width; j += 16) {
     const __mmask16 m = lanes(width - j);
     __m512 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
