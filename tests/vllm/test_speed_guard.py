@@ -296,6 +296,28 @@ def test_readers_whose_decode_cannot_repay_arming_stay_on_vllm_s_kernel(
     _same_tokens(on, _serve(path, "float32", "tiny", doc_len, cascade_decode=False))
 
 
+def test_readers_sharing_fewer_rows_than_their_own_stay_on_vllm_s_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kmesh_blend.vllm.cascade_install as cascade_install
+
+    # the family wins and arming is repaid at once; but each follow-up recomputes 80 % of its
+    # document, so it reads fewer prompt rows from the master than of its own
+    timing = Timing(8, 1024, 1089, 1e-3, 2e-3, 1e-3, 2e-3, arm_s=1e-6)
+    monkeypatch.setattr(cascade_install, "probe", lambda *args, **kwargs: timing)
+    installed = _installed(monkeypatch)
+    path, doc_len = build_checkpoint(TINY_LLAMA), 300
+    on = _serve(path, "float32", "tiny", doc_len, cascade_decode=True, share_kv_memory=True,
+                speed_guard="auto", recompute_ratio=0.8)  # fmt: skip
+    monkeypatch.undo()
+    assert installed[0].guard.timing is timing and not installed[0].clock.steps  # none in cascade
+    for _, _, report in on[:-1]:
+        assert "released_blocks" not in report and report.get("cascade_steps", 0) == 0, report
+        assert "read from masters, fewer than its own" in report["cascade_off"], report
+    _same_tokens(on, _serve(path, "float32", "tiny", doc_len, cascade_decode=False,
+                            recompute_ratio=0.8))  # fmt: skip
+
+
 def test_a_path_that_loses_under_load_is_switched_off_while_serving(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
