@@ -46,12 +46,14 @@ FIRST_SLOTS = 4  # slots of a new pool (doubled when all are taken)
 
 class Sources(NamedTuple):
     """Where buffers come from: the live masters by key, the paged caches (one per layer) and
-    their layout, the model's rotary embedding."""
+    their layout, the model's rotary embedding; ``intact``: readers whose blocks went back in
+    this step, which still hold their rows until the step ends (the scheduler takes them after)."""
 
     masters: dict[str, SharedMaster]
     caches: list[torch.Tensor]
     layout: PagedLayout
     rope: RotaryEmbedding
+    intact: frozenset[str] = frozenset()
 
 
 class OwnPool:
@@ -162,12 +164,14 @@ class OwnPool:
         pos = torch.arange(plan.num_tokens, plan.num_tokens + generated)
         blocks = block_row.to(torch.int64)[pos // block_size]
         slots = blocks * block_size + pos % block_size  # its generated rows (never given back)
-        fill = fill_own_op() if self.tiled and plan.release is None else None
-        if fill is not None and not src.layout.packed and src.caches[0].device.type == "cpu":
+        in_blocks = plan.release is None or plan.req_id in src.intact
+        fill = fill_own_op() if self.tiled and in_blocks else None
+        one_pass = fill is not None and not src.layout.packed and src.caches[0].device.type == "cpu"
+        if fill is not None and one_pass:
             views = [src.layout.views(cache) for cache in src.caches]  # one pass, every layer
             rows = [torch.cat((plan.own_slots[layer], slots)) for layer in range(len(views))]
             fill([k for k, _ in views], [v for _, v in views], rows, self.k, self.v, slot)
-        for layer, cache in enumerate(src.caches if fill is None else []):
+        for layer, cache in enumerate([] if one_pass else src.caches):
             # its prompt rows (its blocks, or its mirror once blocks went), then its generated
             gk, gv = src.layout.read(cache, slots.to(cache.device))
             pk, pv = plan.own_rows(layer, src.layout, cache)

@@ -96,7 +96,7 @@ class CascadeDecode:
     def share(self, world_size: int, cap: int) -> None:
         """Give back readers' segment blocks from now on (``kmesh.share_kv_memory``), their
         mirrors within ``cap`` bytes."""
-        off = None  # (the speed guard decides per reader: `cascade_step.give_back`)
+        off = None  # (the speed guard decides per reader: `cascade_step.arm_reader`)
         if self.kernel is None:
             off = "cascade decode runs on its plain-torch fallback, not the CPU kernel"
         elif world_size > 1:

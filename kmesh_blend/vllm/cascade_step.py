@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from kmesh_blend.vllm.cascade_decode import CascadeDecode
     from kmesh_blend.vllm.seam.cpu_attention import AttnLayer, StepBatch
 
-__all__ = ["PINNED", "PREEMPTED", "arm_reader", "build_step", "give_back", "without_lone_readers"]
+__all__ = ["PINNED", "PREEMPTED", "arm_reader", "build_step", "without_lone_readers"]
 
 PREEMPTED = "preempted: {}; later steps on vLLM's kernel"
 PINNED = (
@@ -46,7 +46,6 @@ def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torc
     starts = batch.query_start_loc.tolist()
     seq_lens = batch.seq_lens.tolist()
     chosen: list[tuple[int, DecodePlan]] = []
-    armed_now: list[DecodePlan] = []
     for i, req_id in enumerate(ids[:num_reqs]):
         plan = d.plans.get(req_id)
         if plan is None or (only_pinned and not plan.pinned):
@@ -67,7 +66,6 @@ def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torc
                 continue
             if not arm_reader(d, req_id, plan):
                 continue
-            armed_now.append(plan)
         chosen.append((i, plan))
     if d.guard.alone_on_stock and chosen:
         chosen = without_lone_readers(chosen)
@@ -83,11 +81,11 @@ def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torc
     rows = [i for i, _ in chosen]
     d.step_context_rows = sum(seq_lens[i] for i in rows)
     generated = [seq_lens[i] - 1 - plan.num_tokens for i, plan in chosen]
-    sources = Sources(d.masters, d.caches, d.layout, d.rope)
+    # blocks given back this step still hold their rows: the scheduler takes them after it
+    intact = frozenset(d.sharing.pending) if d.sharing is not None else frozenset()
+    sources = Sources(d.masters, d.caches, d.layout, d.rope, intact)
     composition = compose(batch, chosen, generated, d.composition, d.pool, sources)
     d.composition = composition
-    for plan in armed_now:  # placed from their blocks (a fill from them is one pass): give back
-        give_back(d, plan)
     for slot, g in zip(composition.slots, generated, strict=True):
         d.pool.filled[slot] = g + 1  # this step's row, appended by every layer
     others = sorted(set(range(num_reqs)) - set(rows))
@@ -106,8 +104,8 @@ def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torc
 
 def arm_reader(d: CascadeDecode, req_id: str, plan: DecodePlan) -> bool:
     """Arm ``plan`` at its first decode step: verify its rows (`DecodePlan.arm`), hold its
-    masters in the kernel's layout (its blocks go back later in the step: `give_back`); False
-    (and the plan dropped, saying why) when it cannot decode in cascade."""
+    masters in the kernel's layout, give its blocks back where sharing and the speed guard
+    allow; False (and the plan dropped, saying why) when it cannot decode in cascade."""
     start = d.clock.now()
     reason = plan.arm(d.layout, d.caches, d.rope)
     if reason is None and d.guard.timing is not None and 2 * plan.shared_rows < plan.num_tokens:
@@ -128,22 +126,13 @@ def arm_reader(d: CascadeDecode, req_id: str, plan: DecodePlan) -> bool:
         d.masters[use.key].users += 1
     if d.sharing is not None:
         plan.releasable = d.sharing.releasable(plan, d.layout.block_size)
+    if d.sharing is not None and (why := d.guard.gives_back) is not None:
+        d.reports.setdefault(req_id, {})["kv_share_off"] = why
+    elif d.sharing is not None:
+        field, value = d.sharing.consider(plan, d.layout.block_size, d.layout, d.caches)
+        d.reports.setdefault(req_id, {})[field] = value
     d.step_arm_s += d.clock.now() - start
     return True
-
-
-def give_back(d: CascadeDecode, plan: DecodePlan) -> None:
-    """A reader armed this step gives its segment blocks back where sharing and the speed guard
-    allow (`kv_release.Sharing.consider`: its mirror taken now); part of its arming."""
-    if d.sharing is None:
-        return
-    start = d.clock.now()
-    if (why := d.guard.gives_back) is not None:
-        d.reports.setdefault(plan.req_id, {})["kv_share_off"] = why
-    else:
-        field, value = d.sharing.consider(plan, d.layout.block_size, d.layout, d.caches)
-        d.reports.setdefault(plan.req_id, {})[field] = value
-    d.step_arm_s += d.clock.now() - start
 
 
 def without_lone_readers(chosen: list[tuple[int, DecodePlan]]) -> list[tuple[int, DecodePlan]]:
