@@ -25,6 +25,7 @@
 #include <atomic>
 #include <cmath>
 #include <exception>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -190,7 +191,8 @@ void value_tile_bf16(const Item<bf16>& it, int i0, const float* probs, int lds) 
   // The probabilities as bf16 (pair (j, j + 1) is then one 32-bit word), and what that rounding
   // left, also in bf16: p = hi + lo to about 2^-16, so the product keeps fp32-like weights.
   const int stride = (pairs + 7) & ~7;  // whole 16-wide conversions
-  std::vector<uint32_t> pp(static_cast<size_t>(2 * R) * stride);
+  thread_local std::vector<uint32_t> pp;
+  pp.resize(static_cast<size_t>(2 * R) * stride);
   for (int i = 0; i < R; ++i) {
     const float* p = probs + (i0 + i) * lds;
     auto* hi = reinterpret_cast<bf16*>(pp.data() + i * stride);
@@ -200,7 +202,7 @@ void value_tile_bf16(const Item<bf16>& it, int i0, const float* probs, int lds) 
       const __m256bh h = _mm512_cvtneps_pbh(x);
       const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + j), (__m256i)h);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + j), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, back)));
+      if (EXACT) _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + j), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, back)));
     }
   }
   __m512 acc[R][NC];
@@ -331,7 +333,8 @@ void run_item(const Item<T>& it, float scale, std::vector<float>& buf) {
   constexpr int D = 16 * NC;
   const int width = it.j1 - it.j0;
   const int lds = (width + 16) & ~15;  // room for a zero probability past an odd last key
-  buf.assign(static_cast<size_t>(it.rows) * lds, 0.f);
+  // every score a later pass reads is written first (softmax zeroes past ``width`` in its tile)
+  buf.resize(std::max(buf.size(), static_cast<size_t>(it.rows) * lds));
   float* scores = buf.data();
   for (int i0 = 0; i0 < it.rows; i0 += kRows) {
     switch (std::min(kRows, it.rows - i0)) {
@@ -383,32 +386,32 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
   // Queries in fp32: level 0 as given, level 1 + g rotated into master g's frame (q . R_rg);
   // then as bf16 pairs of dimensions for the dot-product instruction, with their residuals.
   const int64_t rows = (1 + M) * n * H;
-  std::vector<float> qf(static_cast<size_t>(rows * D), 0.f);
-  std::vector<uint32_t> qp(static_cast<size_t>(rows * D));  // pairs: rounded, then residuals
+  // every element below is written before it is read: no zero fill (this runs once per layer)
+  std::unique_ptr<float[]> qf(new float[rows * D]);
+  std::unique_ptr<uint32_t[]> qp(new uint32_t[rows * D]);  // pairs: rounded, then residuals
   for (int64_t r = 0; r < n; ++r) {
     const T* q = query.data_ptr<T>() + tok[r] * query.stride(0);
     for (int64_t i = 0; i < H * D; ++i) qf[r * H * D + i] = to_float(q[i]);
   }
-  for (int64_t g = 0; g < M; ++g) {
-    const float* rot = rotations[g].data_ptr<float>();
-    for (int64_t r = 0; r < n; ++r)
+  at::parallel_for(0, M * n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t gr = begin; gr < end; ++gr) {
+      const int64_t g = gr / n, r = gr % n;
+      const float* rot = rotations[g].data_ptr<float>() + r * D * D;
       for (int64_t h = 0; h < H; ++h) {
-        const float* q = qf.data() + (r * H + h) * D;
+        const float* q = qf.get() + (r * H + h) * D;
         __m512 acc[NC];
         for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
         for (int d = 0; d < D; ++d)
           for (int c = 0; c < NC; ++c)
-            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(rot + (r * D + d) * D + 16 * c), acc[c]);
-        float* dst = qf.data() + (((1 + g) * n + r) * H + h) * D;
+            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(rot + d * D + 16 * c), acc[c]);
+        float* dst = qf.get() + (((1 + g) * n + r) * H + h) * D;
         for (int c = 0; c < NC; ++c) _mm512_storeu_ps(dst + 16 * c, acc[c]);
       }
-  }
-  for (int64_t i = 0; i < rows * D / 2; ++i) {
-    const bf16 a(qf[2 * i]), b(qf[2 * i + 1]);
-    qp[i] = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(b.x) << 16);
-    const bf16 ra(qf[2 * i] - static_cast<float>(a)), rb(qf[2 * i + 1] - static_cast<float>(b));
-    qp[rows * D / 2 + i] = static_cast<uint32_t>(ra.x) | (static_cast<uint32_t>(rb.x) << 16);
-  }
+    }
+  });
+  // a pair of bf16 (dimension 2i low, 2i + 1 high) is the bf16 array's memory layout
+  split_bf16(qf.get(), reinterpret_cast<bf16*>(qp.get()), reinterpret_cast<bf16*>(qp.get() + rows * D / 2),
+             static_cast<int>(rows * D));
   // Per master, the requests that read it in this layer (a bias row with a key not masked):
   // the others would only add zero-weight states, at the cost of a full pass over its keys
   // (requests of several families joined by a common short segment read one document each).
@@ -436,24 +439,32 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
           for (int64_t i = 0; i < G; ++i) {
             const int64_t r = readers[g][a];
             bf16* dst = qa.data() + ((g * Hkv + h) * G2 + a * G + i) * D;
-            split_bf16(qf.data() + (((1 + g) * n + r) * H + h * G + i) * D, dst, dst + k * G * D, D);
+            split_bf16(qf.get() + (((1 + g) * n + r) * H + h * G + i) * D, dst, dst + k * G * D, D);
           }
     }
   }
   // Work items: own rows per (request, KV head); each master per (KV head, chunk of keys).
   std::vector<Item<T>> items;
+  {
+    int64_t count = n * Hkv;  // items are 2 KiB: no regrowth copies
+    for (int64_t g = 0; g < M; ++g) {
+      const int64_t step = master_k[g].dim() == 4 ? master_k[g].size(3) : kChunk;
+      if (!readers[g].empty()) count += Hkv * ((master_bias[g].size(1) + step - 1) / step);
+    }
+    items.reserve(static_cast<size_t>(count));
+  }
   std::vector<int64_t> first_chunk(M + 1, 0);  // item index of master g's first chunk
   auto query_row = [&](int64_t level, int64_t r, int64_t hq, Item<T>& it, int i) {
     const int64_t at = ((level * n + r) * H + hq) * D;
-    it.q[i] = qf.data() + at;
-    it.qp[i] = qp.data() + at / 2;
-    it.ql[i] = qp.data() + rows * D / 2 + at / 2;
+    it.q[i] = qf.get() + at;
+    it.qp[i] = qp.get() + at / 2;
+    it.ql[i] = qp.get() + rows * D / 2 + at / 2;
     it.split = level > 0 && exact;
     it.exact = exact;
   };
   for (int64_t r = 0; r < n; ++r)
     for (int64_t h = 0; h < Hkv; ++h) {
-      Item<T> it{};
+      Item<T>& it = items.emplace_back();  // zeroed in place: items are 2 KiB
       it.rows = static_cast<int>(G);
       for (int64_t i = 0; i < G; ++i) {
         query_row(0, r, h * G + i, it, static_cast<int>(i));
@@ -466,7 +477,6 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
       int64_t used = C;
       while (used > 0 && ob[slot[r] * obs + used - 1] <= kMaskedBelow) --used;
       it.j1 = static_cast<int>(used);
-      items.push_back(it);
     }
   for (int64_t g = 0; g < M; ++g) {
     first_chunk[g] = static_cast<int64_t>(items.size());
@@ -478,7 +488,7 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
     const int64_t k = static_cast<int64_t>(readers[g].size());
     for (int64_t h = 0; h < Hkv && k > 0; ++h)
       for (int64_t j0 = 0; j0 < S; j0 += step) {
-        Item<T> it{};
+        Item<T>& it = items.emplace_back();  // zeroed in place: items are 2 KiB
         it.rows = static_cast<int>(k * G);
         for (int64_t a = 0; a < k; ++a)
           for (int64_t i = 0; i < G; ++i) {
@@ -497,14 +507,14 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
           it.ld = static_cast<int>(step);
           it.qa = reinterpret_cast<const bf16*>(qa.data()) + (g * Hkv + h) * G2 * D;
         }
-        items.push_back(it);
-      }
+        }
   }
   first_chunk[M] = static_cast<int64_t>(items.size());
   std::vector<int64_t> state_at(items.size() + 1, 0);
   for (size_t i = 0; i < items.size(); ++i) state_at[i + 1] = state_at[i] + items[i].rows * (2 + D);
-  std::vector<float> states(static_cast<size_t>(state_at.back()));
-  for (size_t i = 0; i < items.size(); ++i) items[i].state = states.data() + state_at[i];
+  // every state is written by its item (softmax: max and sum; values: the rest) before the merge
+  std::unique_ptr<float[]> states(new float[state_at.back()]);
+  for (size_t i = 0; i < items.size(); ++i) items[i].state = states.get() + state_at[i];
   std::atomic<int64_t> next{0};
   const int64_t total = static_cast<int64_t>(items.size());
   std::exception_ptr failed = nullptr;  // an exception must not leave the parallel region
@@ -535,10 +545,12 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
   for (int64_t g = 0; g < M; ++g)
     for (size_t a = 0; a < readers[g].size(); ++a) place[g][readers[g][a]] = static_cast<int64_t>(a);
   T* o = out.data_ptr<T>();
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t hq = 0; hq < H; ++hq) {
-      const int64_t h = hq / G, i = hq % G;
-      std::vector<const float*> parts{items[r * Hkv + h].state + i * (2 + D)};
+  // Per (request, query head) on the intra-op threads: vectors of D, the parts' weights e^(max - top).
+  at::parallel_for(0, n * H, 8, [&](int64_t begin, int64_t end) {
+    std::vector<const float*> parts;
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t r = rh / H, hq = rh % H, h = hq / G, i = hq % G;
+      parts.assign(1, items[r * Hkv + h].state + i * (2 + D));
       for (int64_t g = 0; g < M; ++g) {
         const int64_t chunks = (first_chunk[g + 1] - first_chunk[g]) / Hkv, a = place[g][r];
         for (int64_t c = 0; c < chunks && a >= 0; ++c)
@@ -546,15 +558,22 @@ void cascade(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& query,
       }
       float top = -INFINITY;
       for (const float* p : parts) top = std::max(top, p[0]);
-      float sum = 0.f, acc[D] = {};
+      float sum = 0.f;
+      __m512 acc[NC];
+      for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
       for (const float* p : parts) {
         const float w = std::exp(p[0] - top);
         sum += w * p[1];
-        for (int d = 0; d < D; ++d) acc[d] += w * p[2 + d];
+        const __m512 wv = _mm512_set1_ps(w);
+        for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(p + 2 + 16 * c), acc[c]);
       }
+      float res[D];
+      const __m512 den = _mm512_set1_ps(sum);
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(res + 16 * c, _mm512_div_ps(acc[c], den));
       T* dst = o + tok[r] * out.stride(0) + hq * D;
-      for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] / sum);
+      for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(res[d]);
     }
+  });
 }
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "kmesh cascade_decode: ", what); }
