@@ -27,7 +27,8 @@ what vLLM's kernel would have cost for the same requests (the start-up timing pe
 times their context rows and layers) — over the last `WINDOW` cascade steps, from `EVIDENCE` on
 (sooner where it lost every step weighed, `SpeedGuard._surely_slower`: the same sign test).
 Where the path costs more, it is not used for new readers and sharing gives no more blocks
-back; but where requests wait
+back, until it is weighed again after `RETRY` engine steps (doubling per try that loses,
+`SpeedGuard._retry`); but where requests wait
 for KV blocks (`note_memory`: the scheduler saw a request whose blocks the pool could not hold,
 within the window), memory may be the bottleneck: both stay while what the blocks buy
 outweighs what the path adds to each step (`SpeedGuard.memory_pays`, `memory_value.StepFit`).
@@ -54,6 +55,8 @@ __all__ = ["EVIDENCE", "SIGN_LEVEL", "WINDOW", "SpeedGuard", "Timing", "sign_nee
 
 WINDOW = 64  # cascade steps weighed together
 EVIDENCE = 16  # cascade steps before the first weighing
+RETRY = 256  # engine steps off under load before the path is weighed again (doubling per try)
+RETRY_MAX = 8192
 
 
 class Parts(Protocol):
@@ -82,6 +85,9 @@ class SpeedGuard:
     _window: deque[Weighed] = field(default_factory=lambda: deque(maxlen=WINDOW))
     fit: StepFit = field(default_factory=StepFit)
     _short: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    retries: int = 0  # times the path, off under load, was weighed again
+    _retry_after: int = RETRY
+    _off_steps: int = 0
 
     @classmethod
     def decide(cls, mode: str, timing: Timing | None, problem: str | None = None) -> SpeedGuard:
@@ -215,6 +221,8 @@ class SpeedGuard:
         if len(self._window) >= EVIDENCE or self._surely_slower():
             measured, estimated = self._sums()
             self.load_ratio = measured / estimated if estimated > 0 else None
+            if self.load_ratio is not None and self.load_ratio <= 1.0:
+                self._retry_after = RETRY  # it pays: a later loss waits the shortest again
         return self._changed(before)
 
     def _surely_slower(self) -> bool:
@@ -233,7 +241,25 @@ class SpeedGuard:
             return None
         before = self.state
         self._short.append(short)
+        self._retry()
         return self._changed(before)
+
+    def _retry(self) -> None:
+        """Off under load for ``_retry_after`` engine steps: weigh the path again (new readers
+        are admitted; their blocks stay until it is shown to pay, `gives_back`). The first weighed
+        steps of a workload can be its least favourable (a family's first readers), and a load
+        changes; each try that loses again doubles the wait, so retrying costs a bounded share
+        of the steps (a try ends after 5 lost steps, `_surely_slower`)."""
+        if self.state != "load":
+            self._off_steps = 0
+            return
+        self._off_steps += 1
+        if self._off_steps >= self._retry_after:
+            self._window.clear()
+            self.load_ratio = None
+            self.retries += 1
+            self._retry_after = min(2 * self._retry_after, RETRY_MAX)
+            self._off_steps = 0
 
     def note_step(self, tokens: int, seconds: float) -> str | None:
         """An engine step's forward computed ``tokens`` tokens in ``seconds`` (`StepFit`); the
@@ -262,6 +288,8 @@ class SpeedGuard:
             return f"kmesh: {self.reason}; new readers decode on vLLM's kernel with their blocks"
         alone = "on vLLM's kernel" if self.alone_on_stock else "in cascade"
         why = "requests wait for KV blocks: sharing stays" if self.memory_pays else "it pays here"
+        if self.retries and self.load_ratio is None and not self.memory_pays:
+            why = f"weighed again under this load (try {self.retries})"
         load = f"; under load {self.load_ratio:.2f}x" if self.load_ratio is not None else ""
         return (
             f"kmesh: speed guard: cascade decode on, {why} ({self.timing.describe()}{load}); "
@@ -281,6 +309,7 @@ class SpeedGuard:
             "cascade_guard_added_permille": _permille(self.added),
             "cascade_guard_bought_permille": round(self.bought * 1000),
             "cascade_guard_break_even_steps": _steps(timing.break_even if timing else None),
+            "cascade_guard_retries": self.retries,
         }
 
 

@@ -78,6 +78,8 @@ GAUGES: dict[str, str] = {
     "over vLLM's kernel, arming included, x1000 (0: not weighed yet)",
     "cascade_guard_break_even_steps": "Start-up timing: decode steps in which a family's reader "
     "repays its arming (-1: never; 0: not timed); readers with fewer left stay on vLLM's kernel",
+    "cascade_guard_retries": "Times the speed guard weighed the cascade path again after it was "
+    "switched off under load (each try that loses doubles the wait before the next)",
 }
 
 # name → (help text, label names)

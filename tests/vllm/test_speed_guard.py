@@ -22,6 +22,7 @@ from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
 from kmesh_blend.vllm.memory_value import LEAST, StepFit
 from kmesh_blend.vllm.speed_guard import (
     EVIDENCE,
+    RETRY,
     SpeedGuard,
     Timing,
     sign_needed,
@@ -49,7 +50,8 @@ def test_a_family_slower_than_vllm_keeps_new_readers_out() -> None:
                               "cascade_guard_freed_permille": 0,
                               "cascade_guard_added_permille": 0,
                               "cascade_guard_bought_permille": 0,
-                              "cascade_guard_break_even_steps": 0}  # fmt: skip
+                              "cascade_guard_break_even_steps": 0,
+                              "cascade_guard_retries": 0}  # fmt: skip
     assert "new readers decode on vLLM's kernel" in guard.line()
     # where requests wait for KV blocks, memory is the bottleneck: readers (and sharing) stay
     assert guard.note_memory(True) is not None and guard.admits and guard.memory_short
@@ -91,6 +93,31 @@ def test_a_path_that_costs_more_under_load_is_switched_off_unless_memory_is_shor
         guard.note_memory(False)
         guard.observe(_step(1.0, 8000), layers=2)
     assert guard.admits and guard.load_ratio == pytest.approx(0.5)
+
+
+def test_a_path_off_under_load_is_weighed_again_later_and_kept_where_it_pays() -> None:
+    guard = SpeedGuard.decide("auto", _timing(0.5, 0.5))
+    for _ in range(SURE):  # a workload's first steps: the path loses every one
+        guard.observe(_step(3.0, 8000), layers=2)
+    assert not guard.admits and guard.state == "load"
+
+    def off_for(steps: int) -> list[str | None]:
+        return [guard.note_memory(False) for _ in range(steps)]
+
+    lines = off_for(RETRY)
+    assert lines[:-1] == [None] * (RETRY - 1) and "weighed again" in (lines[-1] or "")
+    assert guard.admits and guard.load_ratio is None and guard.retries == 1
+    assert guard.gives_back is not None  # blocks stay until the new weighing shows it pays
+    for _ in range(SURE):  # it loses again: off, and the next try waits twice as long
+        guard.observe(_step(3.0, 8000), layers=2)
+    assert not guard.admits
+    assert set(off_for(2 * RETRY - 1)) == {None} and not guard.admits
+    assert "weighed again" in (off_for(1)[0] or "") and guard.retries == 2
+    assert guard.gauges()["cascade_guard_retries"] == 2
+    for _ in range(EVIDENCE):  # the load changed (larger families): now it pays, and stays
+        guard.observe(_step(1.0, 8000), layers=2)
+    assert guard.admits and guard.load_ratio == pytest.approx(0.5) and guard.gives_back is None
+    assert set(off_for(4 * RETRY)) == {None} and guard.retries == 2
 
 
 def test_where_requests_wait_for_blocks_sharing_stays_while_the_blocks_outweigh_its_cost() -> None:
