@@ -1,6 +1,7 @@
 """What the start-up probe measured (`kmesh_blend.vllm.cascade_probe`), and the sign test that
 says when a difference is beyond this machine's noise; what the guard weighs of each cascade step
-(`Weighed`). Read by `kmesh_blend.vllm.speed_guard`.
+(`Weighed`), and when it weighs a path it switched off again (`Backoff`). Read by
+`kmesh_blend.vllm.speed_guard`.
 Plain Python: no vLLM import.
 """
 
@@ -10,9 +11,11 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["SIGN_LEVEL", "Timing", "Weighed", "sign_needed"]
+__all__ = ["RETRY", "RETRY_MAX", "SIGN_LEVEL", "Backoff", "Timing", "Weighed", "sign_needed"]
 
 SIGN_LEVEL = 0.05  # a "slower" must be this unlikely under "the same" (sign test)
+RETRY = 256  # engine steps off under load before the path is weighed again (doubling per try)
+RETRY_MAX = 8192
 
 
 def sign_needed(runs: int, level: float = SIGN_LEVEL) -> int:
@@ -121,3 +124,26 @@ class Weighed(NamedTuple):
     estimate: float
     arm: float = 0.0
     period: float = 0.0
+
+
+@dataclass
+class Backoff:
+    """When a path switched off under load is weighed again: after ``wait`` engine steps off,
+    `RETRY` at first, doubled by each try that loses (up to `RETRY_MAX`), `RETRY` again once it
+    pays (`paid`); ``tries``: the times it was weighed again."""
+
+    wait: int = RETRY
+    off: int = 0
+    tries: int = 0
+
+    def tick(self, off: bool) -> bool:
+        """One engine step (``off``: the path is off under load); True: weigh it again now."""
+        self.off = self.off + 1 if off else 0
+        if self.off < self.wait:
+            return False
+        self.tries += 1
+        self.wait, self.off = min(2 * self.wait, RETRY_MAX), 0
+        return True
+
+    def paid(self) -> None:
+        self.wait = RETRY

@@ -12,9 +12,8 @@ each on the cascade path and on vLLM's own kernel over the same requests' whole 
 - a reader alone slower: in a step where a master has one reader, that reader is served by
   vLLM's kernel (unless its blocks went back to vLLM's pool: only the cascade path can read it).
 
-"Slower": the cascade path's fastest run is slower than vLLM's, and it lost enough of the paired
-runs that "the same speed" is unlikely (`sign_needed`, a sign test at `SIGN_LEVEL`); where the
-kernels are about equal, the weighing while serving has the last word.
+"Slower": the fastest run slower than vLLM's, and enough of the paired runs lost that "the same
+speed" is unlikely (`sign_needed`, a sign test); about equal: the weighing while serving decides.
 
 Arming a reader (verifying its rows against the masters) is paid once, before its first cascade
 step; the probe times it too (`Timing.arm_s`), and a new reader whose tokens left cannot repay it
@@ -27,11 +26,10 @@ what vLLM's kernel would have cost for the same requests (the start-up timing pe
 times their context rows and layers) — over the last `WINDOW` cascade steps, from `EVIDENCE` on
 (sooner where it lost every step weighed, `SpeedGuard._surely_slower`: the same sign test).
 Where the path costs more, it is not used for new readers and sharing gives no more blocks
-back, until it is weighed again after `RETRY` engine steps (doubling per try that loses,
-`SpeedGuard._retry`); but where requests wait
-for KV blocks (`note_memory`: the scheduler saw a request whose blocks the pool could not hold,
-within the window), memory may be the bottleneck: both stay while what the blocks buy
-outweighs what the path adds to each step (`SpeedGuard.memory_pays`, `memory_value.StepFit`).
+back, until it is weighed again (`cascade_timing.Backoff`); but where requests wait for KV
+blocks (`note_memory`: the scheduler saw a request whose blocks the pool could not hold, within
+the window), memory may be the bottleneck: both stay while what the blocks buy outweighs what
+the path adds to each step (`SpeedGuard.memory_pays`, `memory_value.StepFit`).
 The decision and its figures go to one log line each time it changes, the ``/metrics``
 gauges (`gauges`) and, for a reader it keeps out, its report. When it turns the path off, readers
 already in cascade that still hold their blocks go to vLLM's kernel too; and blocks go back
@@ -47,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kmesh_blend.vllm.cascade_timing import SIGN_LEVEL, Timing, Weighed, sign_needed
+from kmesh_blend.vllm.cascade_timing import SIGN_LEVEL, Backoff, Timing, Weighed, sign_needed
 from kmesh_blend.vllm.memory_value import StepFit, waits_for_blocks
 
 __all__ = ["EVIDENCE", "SIGN_LEVEL", "WINDOW", "SpeedGuard", "Timing", "sign_needed",
@@ -55,8 +53,6 @@ __all__ = ["EVIDENCE", "SIGN_LEVEL", "WINDOW", "SpeedGuard", "Timing", "sign_nee
 
 WINDOW = 64  # cascade steps weighed together
 EVIDENCE = 16  # cascade steps before the first weighing
-RETRY = 256  # engine steps off under load before the path is weighed again (doubling per try)
-RETRY_MAX = 8192
 
 
 class Parts(Protocol):
@@ -85,9 +81,7 @@ class SpeedGuard:
     _window: deque[Weighed] = field(default_factory=lambda: deque(maxlen=WINDOW))
     fit: StepFit = field(default_factory=StepFit)
     _short: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW))
-    retries: int = 0  # times the path, off under load, was weighed again
-    _retry_after: int = RETRY
-    _off_steps: int = 0
+    retry: Backoff = field(default_factory=Backoff)  # off under load: when to weigh it again
 
     @classmethod
     def decide(cls, mode: str, timing: Timing | None, problem: str | None = None) -> SpeedGuard:
@@ -222,48 +216,31 @@ class SpeedGuard:
             measured, estimated = self._sums()
             self.load_ratio = measured / estimated if estimated > 0 else None
             if self.load_ratio is not None and self.load_ratio <= 1.0:
-                self._retry_after = RETRY  # it pays: a later loss waits the shortest again
+                self.retry.paid()
         return self._changed(before)
 
     def _surely_slower(self) -> bool:
-        """Before `EVIDENCE` steps: the path cost more than vLLM's estimate in so many of the
-        steps weighed that "the same cost" is unlikely (`sign_needed`: from 5 steps, every one
-        lost). A path that loses every step is switched off after 5 instead of 16 — the steps
-        a loaded server pays for the evidence; turning it on still takes `EVIDENCE`."""
+        """Before `EVIDENCE` steps: so many weighed steps lost that "the same cost" is unlikely
+        (`sign_needed`: 5 of 5); off after 5 instead of 16, on still takes `EVIDENCE`."""
         lost = sum(w.cost > w.estimate for w in self._window)
         measured, estimated = self._sums()
         return lost >= sign_needed(len(self._window)) and measured > estimated
 
     def note_memory(self, short: bool) -> str | None:
-        """This step's scheduler signal (a request waited for blocks); the new log line when the
-        decision changed."""
+        """A step begins; ``short``: a request waited for blocks. Off under load long enough, the
+        path is weighed again (a workload's first steps, a family's first readers, are its least
+        favourable; a load changes). The new log line when the decision changed."""
         if self.timing is None:
             return None
         before = self.state
         self._short.append(short)
-        self._retry()
-        return self._changed(before)
-
-    def _retry(self) -> None:
-        """Off under load for ``_retry_after`` engine steps: weigh the path again (new readers
-        are admitted; their blocks stay until it is shown to pay, `gives_back`). The first weighed
-        steps of a workload can be its least favourable (a family's first readers), and a load
-        changes; each try that loses again doubles the wait, so retrying costs a bounded share
-        of the steps (a try ends after 5 lost steps, `_surely_slower`)."""
-        if self.state != "load":
-            self._off_steps = 0
-            return
-        self._off_steps += 1
-        if self._off_steps >= self._retry_after:
+        if self.retry.tick(self.state == "load"):
             self._window.clear()
             self.load_ratio = None
-            self.retries += 1
-            self._retry_after = min(2 * self._retry_after, RETRY_MAX)
-            self._off_steps = 0
+        return self._changed(before)
 
     def note_step(self, tokens: int, seconds: float) -> str | None:
-        """An engine step's forward computed ``tokens`` tokens in ``seconds`` (`StepFit`); the
-        new log line when the decision changed."""
+        """A forward of ``tokens`` tokens took ``seconds`` (`StepFit`); the new log line, if any."""
         if self.timing is None:
             return None
         before = self.state
@@ -288,8 +265,8 @@ class SpeedGuard:
             return f"kmesh: {self.reason}; new readers decode on vLLM's kernel with their blocks"
         alone = "on vLLM's kernel" if self.alone_on_stock else "in cascade"
         why = "requests wait for KV blocks: sharing stays" if self.memory_pays else "it pays here"
-        if self.retries and self.load_ratio is None and not self.memory_pays:
-            why = f"weighed again under this load (try {self.retries})"
+        if self.retry.tries and self.load_ratio is None and not self.memory_pays:
+            why = f"weighed again under this load (try {self.retry.tries})"
         load = f"; under load {self.load_ratio:.2f}x" if self.load_ratio is not None else ""
         return (
             f"kmesh: speed guard: cascade decode on, {why} ({self.timing.describe()}{load}); "
@@ -309,7 +286,7 @@ class SpeedGuard:
             "cascade_guard_added_permille": _permille(self.added),
             "cascade_guard_bought_permille": round(self.bought * 1000),
             "cascade_guard_break_even_steps": _steps(timing.break_even if timing else None),
-            "cascade_guard_retries": self.retries,
+            "cascade_guard_retries": self.retry.tries,
         }
 
 

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from kmesh_blend.testing import TINY_LLAMA, build_checkpoint
+from kmesh_blend.vllm.cascade_timing import RETRY
 from kmesh_blend.vllm.memory_value import LEAST, StepFit
 from kmesh_blend.vllm.speed_guard import (
     EVIDENCE,
-    RETRY,
     SpeedGuard,
     Timing,
     sign_needed,
@@ -106,18 +106,18 @@ def test_a_path_off_under_load_is_weighed_again_later_and_kept_where_it_pays() -
 
     lines = off_for(RETRY)
     assert lines[:-1] == [None] * (RETRY - 1) and "weighed again" in (lines[-1] or "")
-    assert guard.admits and guard.load_ratio is None and guard.retries == 1
+    assert guard.admits and guard.load_ratio is None and guard.retry.tries == 1
     assert guard.gives_back is not None  # blocks stay until the new weighing shows it pays
     for _ in range(SURE):  # it loses again: off, and the next try waits twice as long
         guard.observe(_step(3.0, 8000), layers=2)
     assert not guard.admits
     assert set(off_for(2 * RETRY - 1)) == {None} and not guard.admits
-    assert "weighed again" in (off_for(1)[0] or "") and guard.retries == 2
+    assert "weighed again" in (off_for(1)[0] or "") and guard.retry.tries == 2
     assert guard.gauges()["cascade_guard_retries"] == 2
     for _ in range(EVIDENCE):  # the load changed (larger families): now it pays, and stays
         guard.observe(_step(1.0, 8000), layers=2)
     assert guard.admits and guard.load_ratio == pytest.approx(0.5) and guard.gives_back is None
-    assert set(off_for(4 * RETRY)) == {None} and guard.retries == 2
+    assert set(off_for(4 * RETRY)) == {None} and guard.retry.tries == 2
 
 
 def test_where_requests_wait_for_blocks_sharing_stays_while_the_blocks_outweigh_its_cost() -> None:
