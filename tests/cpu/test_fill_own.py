@@ -42,6 +42,19 @@ def _fill(layout: PagedLayout, caches: list[torch.Tensor], released: bool = Fals
     return pool
 
 
+def _count_fills(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Route the pool's one-pass fill through a counter: one entry per call of the op."""
+    calls: list[int] = []
+    op = fill_own_op()
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return op(*args)  # type: ignore[misc]
+
+    monkeypatch.setattr(cascade_buffers, "fill_own_op", lambda: counted)
+    return calls
+
+
 @pytest.mark.parametrize("layout_name", ["cpu_k_transposed", "cpu_rows"])
 @pytest.mark.parametrize("dim", [64, 128, 48])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -53,14 +66,7 @@ def test_one_pass_fill_equals_the_torch_ops(
     layout = PagedLayout(layout_name, BLOCK, _candidates(shape, HEADS, dim, BLOCK)[layout_name])
     gen = torch.Generator().manual_seed(dim)
     caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(LAYERS)]
-    calls: list[int] = []
-    op = fill_own_op()
-
-    def counted(*args: Any) -> Any:
-        calls.append(1)
-        return op(*args)  # type: ignore[misc]
-
-    monkeypatch.setattr(cascade_buffers, "fill_own_op", lambda: counted)
+    calls = _count_fills(monkeypatch)
     fast = _fill(layout, caches)
     assert len(calls) == 2  # the one pass served both requests
     monkeypatch.setattr(cascade_buffers, "fill_own_op", lambda: None)
@@ -79,14 +85,7 @@ def test_a_reader_whose_blocks_go_back_in_this_step_is_filled_from_them(
     name = "cpu_k_transposed"
     layout = PagedLayout(name, BLOCK, _candidates(shape, HEADS, 64, BLOCK)[name])
     caches = [torch.randn(shape).to(torch.bfloat16) for _ in range(LAYERS)]
-    calls: list[int] = []
-    op = fill_own_op()
-
-    def counted(*args: Any) -> Any:
-        calls.append(1)
-        return op(*args)  # type: ignore[misc]
-
-    monkeypatch.setattr(cascade_buffers, "fill_own_op", lambda: counted)
+    calls = _count_fills(monkeypatch)
     whole = _fill(layout, caches)
     assert len(calls) == 2
     this_step = _fill(layout, caches, released=True, intact=True)
