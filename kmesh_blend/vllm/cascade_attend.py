@@ -86,21 +86,27 @@ class KernelCalls:
         chunk = per_call(heads)
         self._buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.layers: list[list[Call]] = [[] for _ in range(pool.num_layers)]
+        # Views are taken per group and chunk with one `unbind` over layers each (slicing per
+        # layer and level cost about 1 ms a composition: a step's, where the set changes)
+        pool_layers = list(zip(pool.k, pool.v, pool.bias.unbind(0), strict=True))
         for group in composition.groups:
             g = int(group.rows.numel())
             tokens = torch.zeros(g, dtype=torch.int64)
             cols = torch.zeros_like(group.first_free)  # [L, g]
             self._buffers.append((tokens, cols, group.first_free))
-            for index, calls in enumerate(self.layers):
-                master_k = [level.master.k_t[index] for level in group.levels]
-                master_v = [level.master.v[index] for level in group.levels]
-                for a in range(0, g, chunk):
-                    b = min(a + chunk, g)
-                    calls.append((tokens[a:b], (
-                        pool.k[index], pool.v[index], pool.bias[index], group.slots[a:b],
-                        cols[index, a:b], master_k, master_v,
-                        [level.bias[index, a:b] for level in group.levels],
-                        [r[a:b] for r in group.rotations],
+            master_k = _by_layer([level.master.k_t for level in group.levels], pool.num_layers)
+            master_v = _by_layer([level.master.v for level in group.levels], pool.num_layers)
+            for a in range(0, g, chunk):
+                b = min(a + chunk, g)
+                rows, slots, col = tokens[a:b], group.slots[a:b], cols[:, a:b].unbind(0)
+                biases = _by_layer([level.bias[:, a:b] for level in group.levels],
+                                   pool.num_layers)  # fmt: skip
+                rotations = [r[a:b] for r in group.rotations]
+                for index, calls in enumerate(self.layers):
+                    k, v, bias = pool_layers[index]
+                    calls.append((rows, (
+                        k, v, bias, slots, col[index], master_k[index], master_v[index],
+                        biases[index], rotations,
                     )))  # fmt: skip
 
     def serves(self, composition: Composition, pool: OwnPool) -> bool:
@@ -112,6 +118,12 @@ class KernelCalls:
         for (tokens, cols, first), (_, rows, generated) in zip(self._buffers, groups, strict=True):
             tokens.copy_(rows)
             torch.add(first, generated, out=cols)
+
+
+def _by_layer(tensors: list[torch.Tensor], num_layers: int) -> list[list[torch.Tensor]]:
+    """Per layer l, the views ``t[l]`` of each of ``tensors`` (each [L, ...]), in their order."""
+    views = [t.unbind(0) for t in tensors]
+    return [[v[layer] for v in views] for layer in range(num_layers)]
 
 
 def attend_kernel(kernel: Kernel, index: int, calls: KernelCalls, query: torch.Tensor,

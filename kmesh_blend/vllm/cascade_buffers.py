@@ -273,26 +273,28 @@ def _group(members: list[int], plans: list[DecodePlan], slots: list[int], pool: 
            src: Sources) -> Group:  # fmt: skip
     # One master level per (master, k-th use of it in a request): a prompt that reads one
     # document twice attends to both copies, each at its own offset (one Δ per level).
-    readers: dict[tuple[str, int], list[tuple[int, MasterUse, torch.Tensor]]] = {}
+    readers: dict[tuple[str, int], list[tuple[int, MasterUse, int]]] = {}
     for j, r in enumerate(members):
         seen: dict[str, int] = {}
-        for use, rows in zip(plans[r].uses, plans[r].shared, strict=True):
+        for u, use in enumerate(plans[r].uses):
             nth = seen[use.key] = seen.get(use.key, -1) + 1
-            readers.setdefault((use.key, nth), []).append((j, use, rows))
+            readers.setdefault((use.key, nth), []).append((j, use, u))
     g, num_layers = len(members), len(src.caches)
-    levels = []
+    levels, rotations, rope = [], [], src.rope if pool.tiled else None
     for (master_key, _), group in readers.items():
         master = src.masters[master_key]
         deltas = torch.zeros(g, dtype=torch.int64)
         bias = torch.full((num_layers, g, master.size), MASKED)
-        for j, use, rows in group:
+        # q · R = the query rotated by −Δ (RoPE is linear in q); identity where not read
+        rotation = torch.eye(pool.dim).repeat(g, 1, 1) if pool.tiled else None
+        for j, use, u in group:
             deltas[j] = use.start - master.first
-            bias[:, j] = torch.where(rows, 0.0, MASKED)  # rows [L, S] bool
+            mask, turn = plans[members[j]].level_part(u, master.first, rope, pool.dim)
+            bias[:, j] = mask
+            if rotation is not None and turn is not None:
+                rotation[j] = turn
         levels.append(Level(master, -deltas, bias))
+        rotations += [] if rotation is None else [rotation]
     index = torch.tensor([slots[r] for r in members], dtype=torch.int64)
-    rotations = []
-    if pool.tiled:  # q · R = the query rotated by −Δ (RoPE is linear in q)
-        basis = torch.eye(pool.dim).expand(g, -1, -1).contiguous()
-        rotations = [src.rope.apply(basis, level.back).contiguous() for level in levels]
-    rows = torch.tensor(members, dtype=torch.int64)
-    return Group(rows, index, pool.first_free[:, index], levels, rotations)
+    return Group(torch.tensor(members, dtype=torch.int64), index, pool.first_free[:, index],
+                 levels, rotations)  # fmt: skip

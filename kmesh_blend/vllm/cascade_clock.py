@@ -22,7 +22,8 @@ class StepParts:
     query rows of the step's other requests (vLLM's kernel); seconds, summed over layers:
     ``plan_s`` matching requests to plans, placing own rows and composing the set's levels (once
     per step), of it ``arm_s`` arming the step's new readers (verifying their rows against the
-    masters, tiling a new master, giving blocks back: once per request); ``cascade_s`` the
+    masters, tiling a new master, giving blocks back, placing its own rows in its slot: once
+    per request); ``cascade_s`` the
     cascade kernel (or its torch fallback); ``others_s`` vLLM's kernel on the other rows and
     their copy into the output."""
 

@@ -7,8 +7,8 @@ Each runs on the cascade path (`CascadeDecode.forward`, its step planned once, a
 layer of a step reuses it) and on vLLM's kernel over the same requests' whole contexts, in turn,
 ``reps`` times after one warm-up; the fastest of each, and how many of the paired runs the cascade
 path lost (the guard's sign test); and what arming one reader costs (verifying its rows against
-the master, `DecodePlan.arm`), per layer, the fastest of `ARMS` fresh plans of the family. Well
-under a second on 2 cores.
+the master, `DecodePlan.arm`, and placing its own rows in its slot), per layer, the fastest of
+`ARMS` fresh plans of the family. Well under a second on 2 cores.
 """
 
 from __future__ import annotations

@@ -36,7 +36,9 @@ def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torc
     """The step of ``d``'s cascade requests in ``batch`` (None: vLLM's forward serves it):
     plans matched by request id and block table, new readers armed (`arm_reader`), lone readers
     left to vLLM's kernel where the speed guard says so, the set composed, vLLM's sub-batch of
-    the other requests built. Records the step's arming time and context rows on ``d``."""
+    the other requests built. Records the step's arming time (new readers' own rows placed in
+    their slots included: paid once per reader, as its verification) and context rows on
+    ``d``."""
     num_reqs = int(batch.seq_lens.numel())
     ids = d.req_ids(num_reqs)
     if ids is None or len(ids) < num_reqs:
@@ -46,6 +48,7 @@ def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torc
     starts = batch.query_start_loc.tolist()
     seq_lens = batch.seq_lens.tolist()
     chosen: list[tuple[int, DecodePlan]] = []
+    armed_now: set[str] = set()
     for i, req_id in enumerate(ids[:num_reqs]):
         plan = d.plans.get(req_id)
         if plan is None or (only_pinned and not plan.pinned):
@@ -66,6 +69,7 @@ def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torc
                 continue
             if not arm_reader(d, req_id, plan):
                 continue
+            armed_now.add(req_id)
         chosen.append((i, plan))
     if d.guard.alone_on_stock and chosen:
         chosen = without_lone_readers(chosen)
@@ -84,6 +88,12 @@ def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torc
     # blocks given back this step still hold their rows: the scheduler takes them after it
     intact = frozenset(d.sharing.pending) if d.sharing is not None else frozenset()
     sources = Sources(d.masters, d.caches, d.layout, d.rope, intact)
+    if armed_now:  # a new reader's own rows into its slot: once per reader, part of its arming
+        start = d.clock.now()
+        for r, (i, plan) in enumerate(chosen):
+            if plan.req_id in armed_now:
+                d.pool.place(plan, batch.block_table[i], generated[r], sources)
+        d.step_arm_s += d.clock.now() - start
     composition = compose(batch, chosen, generated, d.composition, d.pool, sources)
     d.composition = composition
     for slot, g in zip(composition.slots, generated, strict=True):

@@ -49,7 +49,7 @@ class Timing:
     runs: int = 0
     family_lost: int = 0
     alone_lost: int = 0
-    arm_s: float = 0.0  # arming one of the family's readers (verifying its rows), per layer
+    arm_s: float = 0.0  # arming one of the family's readers (verify, place its rows), per layer
 
     @property
     def break_even(self) -> float | None:

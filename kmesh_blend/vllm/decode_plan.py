@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kmesh_blend.attention.decode import MASKED
 from kmesh_blend.cpu import verify_rows_op
 from kmesh_blend.cpu.layout import gemm_chunks, pair_value_rows, tile_key_rows
 from kmesh_blend.models.rope import RotaryEmbedding, rotate
@@ -89,6 +90,8 @@ class DecodePlan:
     own_slots: list[torch.Tensor] = field(default_factory=list)
     release: Release | None = None  # its segment blocks went back to vLLM's pool: cascade only
     releasable: int = 0  # blocks sharing could give back (set when armed, sharing on)
+    # per use (its index in ``uses``), once composed: `level_part`
+    level_parts: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.blocks = torch.tensor(self.block_ids, dtype=torch.int64)
@@ -134,6 +137,18 @@ class DecodePlan:
         k, v = layout.read(cache, self.own_slots[layer].to(cache.device))
         return k.cpu(), v.cpu()
 
+    def level_part(self, u: int, first: int, rope: RotaryEmbedding | None,
+                   dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Its part of the level of use ``u`` (armed; the master held from position ``first``):
+        the bias of the rows it reads [L, S] fp32 (0 or MASKED) and, with ``rope``, its query
+        rotation by −Δ [D, D] fp32 (``dim`` = D); built once (a set is composed again whenever
+        a request joins or leaves)."""
+        if (part := self.level_parts.get(u)) is None:
+            back = torch.tensor([first - self.uses[u].start])
+            turn = None if rope is None else rope.apply(torch.eye(dim)[None], back)[0]
+            part = self.level_parts[u] = (torch.where(self.shared[u], 0.0, MASKED), turn)
+        return part
+
     def arm(
         self, layout: PagedLayout, caches: list[torch.Tensor], rope: RotaryEmbedding
     ) -> str | None:
@@ -141,7 +156,7 @@ class DecodePlan:
         num_layers = len(caches)
         reads = torch.zeros(num_layers, self.num_tokens, dtype=torch.bool)
         verify = verify_rows_op()  # the same test in one pass, where the CPU kernels built
-        self.shared = []
+        self.shared, self.level_parts = [], {}
         for use in self.uses:
             kv = use.master.kv
             size = use.end - use.start

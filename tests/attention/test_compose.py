@@ -218,3 +218,38 @@ def test_a_request_keeps_its_slot_while_the_set_changes(tiled: bool) -> None:
     for plan in plans:
         pool.release(plan.req_id)
     assert pool.size == 0 and pool.nbytes == 0
+
+
+def test_a_set_composed_again_builds_each_readers_level_part_once(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A set is composed again whenever a request joins or leaves: each reader's read mask and
+    query rotation (−Δ) are built once per plan and use, and a group's levels hold them as if
+    built afresh (identity and all rows masked for a request without that level)."""
+    plans, _, caches, layout, rope = _case(LAYOUTS["beside_a_single_reader"] + [(30, [6])])
+    for plan in plans:
+        assert plan.arm(layout, caches, rope) is None
+    shared = {"m0": SharedMaster.of(plans[0].uses[0].master, torch.float32, tiled=True)}
+    table = torch.zeros(len(plans), max(len(p.block_ids) for p in plans), dtype=torch.int64)
+    for r, plan in enumerate(plans):
+        table[r, : len(plan.block_ids)] = plan.blocks
+    batch, src = SimpleNamespace(block_table=table), Sources(shared, caches, layout, rope)
+    pool = OwnPool(LAYERS, (KV_HEADS, DIM), caches[0].dtype, tiled=True)
+    calls = []
+    apply = RotaryEmbedding.apply
+    monkeypatch.setattr(RotaryEmbedding, "apply",
+                        lambda self, x, p: calls.append(p) or apply(self, x, p))  # fmt: skip
+    first = compose(batch, list(enumerate(plans[:2])), [0, 0], None, pool, src)
+    assert len(calls) == 3  # request 0 reads the master twice, request 1 once
+    now = compose(batch, [(1, plans[1]), (2, plans[2])], [0, 0], first, pool, src)
+    assert len(calls) == 4  # the newcomer's only
+    eye = torch.eye(DIM)[None]
+    for comp, members in ((first, plans[:2]), (now, plans[1:])):
+        (group,) = comp.groups
+        for k, (level, rotation) in enumerate(zip(group.levels, group.rotations, strict=True)):
+            for j, plan in enumerate(members):
+                if k < len(plan.uses):
+                    back = torch.tensor([FIRST - plan.uses[k].start])
+                    assert torch.equal(rotation[j], apply(rope, eye, back)[0])
+                    assert torch.equal(level.bias[:, j], torch.where(plan.shared[k], 0.0, MASKED))
+                else:
+                    assert torch.equal(rotation[j], eye[0])
+                    assert bool((level.bias[:, j] == MASKED).all())
