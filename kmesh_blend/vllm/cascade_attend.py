@@ -67,6 +67,7 @@ class Step(NamedTuple):
     groups: list[tuple[Group, torch.Tensor, torch.Tensor]]
     others: tuple[torch.Tensor, KernelBatch] | None  # the step's other requests, for vLLM
     calls: KernelCalls | None = None  # the CPU kernel's calls (None: the torch path)
+    lone: bool = False  # every group has one request: no master read by two in this step
 
 
 Call = tuple[torch.Tensor, tuple[object, ...]]  # query rows [c] int64, the other arguments

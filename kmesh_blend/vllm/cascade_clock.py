@@ -37,6 +37,7 @@ class StepParts:
     others_s: float = 0.0
     opened: float = 0.0  # clock reading when the step's plan began
     period_s: float = 0.0  # from then to the end of the step's forward (0: not ended yet)
+    lone: bool = False  # no master had two readers in it (nothing shared: `cascade_timing.Lone`)
 
 
 class StepClock:
@@ -49,10 +50,10 @@ class StepClock:
     now = staticmethod(time.perf_counter)
 
     def open(self, cascade: int, others: int, plan_s: float, arm_s: float = 0.0,
-             context_rows: int = 0) -> StepParts:  # fmt: skip
+             context_rows: int = 0, lone: bool = False) -> StepParts:  # fmt: skip
         self.serial += 1
         parts = StepParts(self.serial, cascade, others, plan_s, arm_s, context_rows,
-                          opened=self.now() - plan_s)  # fmt: skip
+                          opened=self.now() - plan_s, lone=lone)  # fmt: skip
         self.steps.append(parts)
         return parts
 

@@ -209,13 +209,13 @@ class CascadeDecode:
                 except Exception as exc:
                     self._break(exc)
                 if self._step is not None:
-                    others = self._step.others
                     self._parts = self.clock.open(
                         int(self._step.tokens.numel()),
-                        0 if others is None else int(others[0].numel()),
+                        0 if self._step.others is None else int(self._step.others[0].numel()),
                         self.clock.now() - start,
                         self.step_arm_s,
                         self.step_context_rows,
+                        self._step.lone,
                     )
         step, parts = self._step, self._parts
         if step is None or parts is None:

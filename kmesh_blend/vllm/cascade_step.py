@@ -9,6 +9,7 @@ sharing and the speed guard allow it). Plain torch: vLLM only through the seam.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,7 +35,8 @@ PINNED = (
 def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torch.dtype,
                only_pinned: bool = False) -> Step | None:  # fmt: skip
     """The step of ``d``'s cascade requests in ``batch`` (None: vLLM's forward serves it):
-    plans matched by request id and block table, new readers armed (`arm_reader`), lone readers
+    plans matched by request id and block table, new readers armed (`arm_reader`; where lone
+    readers go to vLLM's kernel, only beside another reader of their masters), lone readers
     left to vLLM's kernel where the speed guard says so, the set composed, vLLM's sub-batch of
     the other requests built. Records the step's arming time (new readers' own rows placed in
     their slots included: paid once per reader, as its verification) and context rows on
@@ -47,21 +49,27 @@ def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torc
         return None
     starts = batch.query_start_loc.tolist()
     seq_lens = batch.seq_lens.tolist()
-    chosen: list[tuple[int, DecodePlan]] = []
-    armed_now: set[str] = set()
+    decoding: list[tuple[int, DecodePlan]] = []
     for i, req_id in enumerate(ids[:num_reqs]):
         plan = d.plans.get(req_id)
         if plan is None or (only_pinned and not plan.pinned):
             continue
         if not plan.holds(batch.block_table[i]):
             d.drop(req_id, PREEMPTED.format("its blocks changed"))
-            continue
-        decoding = starts[i + 1] - starts[i] == 1 and seq_lens[i] > plan.num_tokens
-        if not decoding:
-            if plan.armed:  # prefilled again after a preemption: its rows are new
-                d.drop(req_id, PREEMPTED.format("its prompt was computed again"))
-            continue
+        elif starts[i + 1] - starts[i] == 1 and seq_lens[i] > plan.num_tokens:
+            decoding.append((i, plan))
+        elif plan.armed:  # prefilled again after a preemption: its rows are new
+            d.drop(req_id, PREEMPTED.format("its prompt was computed again"))
+    # where lone readers go to vLLM's kernel, a new reader is armed only beside another reader
+    # of its masters (arming one that stays alone would buy nothing)
+    readers = Counter(key for _, plan in decoding for key in {use.key for use in plan.uses})
+    chosen: list[tuple[int, DecodePlan]] = []
+    armed_now: set[str] = set()
+    for i, plan in decoding:
+        req_id = plan.req_id
         if not plan.armed:
+            if d.guard.alone_on_stock and all(readers[use.key] == 1 for use in plan.uses):
+                continue
             plan.complete(batch.block_table[i], d.layout.block_size)
             if (why := d.guard.keeps_out(plan.steps_left(seq_lens[i]))) is not None:
                 d.drop(req_id)  # one log line says the rule (the guard's), its report says why
@@ -107,9 +115,9 @@ def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torc
         calls = d.calls = KernelCalls(composition, d.pool, d.heads)
     if calls is not None:
         calls.advance(groups)
-    return Step(
-        tokens, groups, sub_batch(batch, layer, dtype, others, starts) if others else None, calls
-    )
+    others_batch = sub_batch(batch, layer, dtype, others, starts) if others else None
+    lone = all(int(group.rows.numel()) == 1 for group in composition.groups)
+    return Step(tokens, groups, others_batch, calls, lone)
 
 
 def arm_reader(d: CascadeDecode, req_id: str, plan: DecodePlan) -> bool:

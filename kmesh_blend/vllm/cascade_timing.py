@@ -1,6 +1,7 @@
 """What the start-up probe measured (`kmesh_blend.vllm.cascade_probe`), and the sign test that
 says when a difference is beyond this machine's noise; what the guard weighs of each cascade step
-(`Weighed`), and when it weighs a path it switched off again (`Backoff`). Read by
+(`Weighed`), steps where no master had two readers apart (`Lone`), and when it weighs a path
+it switched off again (`Backoff`). Read by
 `kmesh_blend.vllm.speed_guard`.
 Plain Python: no vLLM import.
 """
@@ -8,10 +9,20 @@ Plain Python: no vLLM import.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
-__all__ = ["RETRY", "RETRY_MAX", "SIGN_LEVEL", "Backoff", "Timing", "Weighed", "sign_needed"]
+__all__ = [
+    "RETRY",
+    "RETRY_MAX",
+    "SIGN_LEVEL",
+    "Backoff",
+    "Lone",
+    "Timing",
+    "Weighed",
+    "sign_needed",
+]
 
 SIGN_LEVEL = 0.05  # a "slower" must be this unlikely under "the same" (sign test)
 RETRY = 256  # engine steps off under load before the path is weighed again (doubling per try)
@@ -147,3 +158,33 @@ class Backoff:
 
     def paid(self) -> None:
         self.wait = RETRY
+
+
+@dataclass
+class Lone:
+    """Steps in which every cascade request read its masters alone (nothing shared: only the
+    kernel's own speed can win there), weighed apart from the steps that share, over the last
+    64 of them: `loses` once they surely cost more than vLLM's kernel would (the sign test,
+    `sign_needed`) or, from ``evidence`` steps on, cost more in sum."""
+
+    evidence: int = 16
+    steps: deque[Weighed] = field(default_factory=lambda: deque(maxlen=64))
+
+    def loses(self, step: Weighed) -> bool:
+        self.steps.append(step)
+        cost, estimate = sum(w.cost for w in self.steps), sum(w.estimate for w in self.steps)
+        lost = sum(w.cost > w.estimate for w in self.steps)
+        return cost > estimate and (len(self.steps) >= self.evidence
+                                    or lost >= sign_needed(len(self.steps)))  # fmt: skip
+
+    @property
+    def ratio(self) -> float:
+        """Their cost / vLLM's estimate (0: none weighed)."""
+        estimate = sum(w.estimate for w in self.steps)
+        return sum(w.cost for w in self.steps) / estimate if estimate > 0 else 0.0
+
+    def line(self) -> str:
+        """The log line once they lose."""
+        return (f"kmesh: speed guard: serving, steps where every master has one reader cost "
+                f"{self.ratio:.2f}x what vLLM's kernel would ({len(self.steps)} weighed): a "
+                "master with one reader in a step is read on vLLM's kernel from now")  # fmt: skip

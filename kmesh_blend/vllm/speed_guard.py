@@ -6,36 +6,31 @@ engine's heads, dtype and block size: a family of readers of one master, then on
 each on the cascade path and on vLLM's own kernel over the same requests' whole contexts
 (`Timing`). `SpeedGuard.decide`:
 
-- the family slower on the cascade path than on vLLM's kernel: new readers decode on vLLM's
-  kernel (their reports say why, ``cascade_off``), and ``share_kv_memory`` gives no block back
-  (a released reader could only ever be served by the slower path);
+- the family slower on the cascade path: new readers decode on vLLM's kernel (their reports say
+  why, ``cascade_off``), and ``share_kv_memory`` gives no block back;
 - a reader alone slower: in a step where a master has one reader, that reader is served by
-  vLLM's kernel (unless its blocks went back to vLLM's pool: only the cascade path can read it).
+  vLLM's kernel (unless its blocks went back to vLLM's pool: only the cascade path can read it);
+  the same once steps where no master had two readers lose under load (`cascade_timing.Lone`,
+  weighed apart: nothing is shared in them, so they say nothing of the steps that share).
 
 "Slower": the fastest run slower than vLLM's, and enough of the paired runs lost that "the same
 speed" is unlikely (`sign_needed`, a sign test); about equal: the weighing while serving decides.
+Arming a reader (verifying its rows, placing its own rows) is paid once, before its first cascade
+step; the probe times it (`Timing.arm_s`), and a new reader whose tokens left cannot repay it
+(`Timing.break_even`) is not armed (`keeps_out`) unless requests wait for blocks.
 
-Arming a reader (verifying its rows against the masters) is paid once, before its first cascade
-step; the probe times it too (`Timing.arm_s`), and a new reader whose tokens left cannot repay it
-at the family's gain per step (`Timing.break_even`) is not armed (`SpeedGuard.keeps_out`; it
-decodes on vLLM's kernel with its blocks) unless requests wait for blocks.
-
-While serving, `SpeedGuard.observe` weighs each cascade step — what the path cost (planning and
-the kernel, `cascade_clock.StepParts`; arming, weighed before it is paid, is left out) against
-what vLLM's kernel would have cost for the same requests (the start-up timing per context row,
-times their context rows and layers) — over the last `WINDOW` cascade steps, from `EVIDENCE` on
-(sooner where it lost every step weighed, `SpeedGuard._surely_slower`: the same sign test).
-Where the path costs more, it is not used for new readers and sharing gives no more blocks
-back, until it is weighed again (`cascade_timing.Backoff`); but where requests wait for KV
-blocks (`note_memory`: the scheduler saw a request whose blocks the pool could not hold, within
-the window), memory may be the bottleneck: both stay while what the blocks buy outweighs what
-the path adds to each step (`SpeedGuard.memory_pays`, `memory_value.StepFit`).
-The decision and its figures go to one log line each time it changes, the ``/metrics``
-gauges (`gauges`) and, for a reader it keeps out, its report. When it turns the path off, readers
-already in cascade that still hold their blocks go to vLLM's kernel too; and blocks go back
-(``share_kv_memory``) only once the path is weighed under the load and pays there (or memory
-does, `gives_back`): a reader without its blocks can never leave the path. ``off`` trusts the
-settings. Plain Python: no vLLM import.
+While serving, `SpeedGuard.observe` weighs each cascade step — planning and the kernel
+(`cascade_clock.StepParts`; arming left out) against vLLM's kernel on the same requests (the
+start-up timing per context row, times their rows and layers) — over the last `WINDOW` steps,
+from `EVIDENCE` on (sooner where it lost every step weighed: the same sign test). Where the path
+costs more, new readers stay off it and sharing gives no more blocks back, until it is weighed
+again (`cascade_timing.Backoff`); but where requests wait for KV blocks (`note_memory`), both
+stay while what the blocks buy outweighs what the path adds to each step (`memory_pays`,
+`memory_value.StepFit`). Each change of the decision: one log line, the ``/metrics`` gauges
+(`gauges`) and, for a reader kept out, its report. Turned off, readers that still hold their
+blocks go to vLLM's kernel too; blocks go back only once the path pays under the load (or
+memory does, `gives_back`): a reader without its blocks can never leave the path. ``off``
+trusts the settings. Plain Python: no vLLM import.
 """
 
 from __future__ import annotations
@@ -45,11 +40,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kmesh_blend.vllm.cascade_timing import SIGN_LEVEL, Backoff, Timing, Weighed, sign_needed
+from kmesh_blend.vllm.cascade_timing import Backoff, Lone, Timing, Weighed, sign_needed
 from kmesh_blend.vllm.memory_value import StepFit, waits_for_blocks
 
-__all__ = ["EVIDENCE", "SIGN_LEVEL", "WINDOW", "SpeedGuard", "Timing", "sign_needed",
-           "waits_for_blocks"]  # fmt: skip
+__all__ = ["EVIDENCE", "WINDOW", "SpeedGuard", "Timing", "sign_needed", "waits_for_blocks"]
 
 WINDOW = 64  # cascade steps weighed together
 EVIDENCE = 16  # cascade steps before the first weighing
@@ -63,6 +57,7 @@ class Parts(Protocol):
     cascade_s: float
     context_rows: int
     period_s: float
+    lone: bool
 
 
 @dataclass
@@ -82,6 +77,7 @@ class SpeedGuard:
     fit: StepFit = field(default_factory=StepFit)
     _short: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW))
     retry: Backoff = field(default_factory=Backoff)  # off under load: when to weigh it again
+    lone: Lone = field(default_factory=Lone)  # steps where no master had two readers
 
     @classmethod
     def decide(cls, mode: str, timing: Timing | None, problem: str | None = None) -> SpeedGuard:
@@ -207,11 +203,14 @@ class SpeedGuard:
         before = self.state
         self.freed = freed
         estimate = self.timing.stock_row_s * parts.context_rows * layers
-        # arming is weighed once per reader, before it is paid (`keeps_out`): not in the load
-        # ratio (a family's first step would otherwise carry all its arms); against memory it is
-        # part of the price of the blocks
+        # arming is weighed once per reader, before it is paid (`keeps_out`), not in the load ratio
+        # (a family's first step would hold all its arms); against memory: part of the blocks' cost
         cost = parts.plan_s - parts.arm_s + parts.cascade_s
-        self._window.append(Weighed(cost, estimate, parts.arm_s, parts.period_s))
+        weighed = Weighed(cost, estimate, parts.arm_s, parts.period_s)
+        if parts.lone and not (self.alone_on_stock or self.memory_short):  # nothing shared here
+            self.alone_on_stock = self.lone.loses(weighed)
+            return self.lone.line() if self.alone_on_stock else None
+        self._window.append(weighed)
         if len(self._window) >= EVIDENCE or self._surely_slower():
             measured, estimated = self._sums()
             self.load_ratio = measured / estimated if estimated > 0 else None

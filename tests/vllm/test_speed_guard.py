@@ -95,6 +95,35 @@ def test_a_path_that_costs_more_under_load_is_switched_off_unless_memory_is_shor
     assert guard.admits and guard.load_ratio == pytest.approx(0.5)
 
 
+def test_steps_where_no_master_is_shared_are_weighed_apart_and_send_lone_readers_to_vllm() -> None:
+    """Lone steps (every master read by one request) share nothing: losing ones send lone readers
+    to vLLM's kernel and leave the weighing of the path (steps that share) untouched; lone steps
+    that win keep them in cascade."""
+    lone_loses, lone_wins = (SpeedGuard.decide("auto", _timing(0.5, 0.5)) for _ in range(2))
+    assert not lone_loses.alone_on_stock and not lone_wins.alone_on_stock
+    for guard, ms, steps in ((lone_loses, 3.0, SURE), (lone_wins, 1.0, EVIDENCE)):
+        step = _step(ms, 8000)  # vLLM's estimate: 2 ms
+        step.lone = True
+        lines = [guard.observe(step, layers=2) for _ in range(steps)]
+        assert guard.load_ratio is None and guard.admits  # the path itself: not weighed yet
+        if guard is lone_loses:  # off for lone readers once surely slower (5 of 5): one line
+            assert lines[:-1] == [None] * (SURE - 1) and "1.50x" in (lines[-1] or "")
+            assert guard.alone_on_stock and "read on vLLM's kernel" in guard.line()
+        else:
+            assert set(lines) == {None} and not guard.alone_on_stock
+    waiting = SpeedGuard.decide("auto", _timing(0.5, 0.5))
+    waiting.note_memory(True)  # requests wait for blocks: lone readers' blocks count, weighed whole
+    step = _step(3.0, 8000)
+    step.lone = True
+    for _ in range(SURE):
+        waiting.observe(step, layers=2)
+    assert not waiting.alone_on_stock and waiting.load_ratio == pytest.approx(1.5)
+    for _ in range(EVIDENCE):  # steps that share pay: the path stays on, lone readers off it
+        lone_loses.observe(_step(1.0, 8000), layers=2)
+    assert lone_loses.admits and lone_loses.load_ratio == pytest.approx(0.5)
+    assert lone_loses.alone_on_stock
+
+
 def test_a_path_off_under_load_is_weighed_again_later_and_kept_where_it_pays() -> None:
     guard = SpeedGuard.decide("auto", _timing(0.5, 0.5))
     for _ in range(SURE):  # a workload's first steps: the path loses every one
@@ -366,11 +395,15 @@ def test_a_path_that_loses_under_load_is_switched_off_while_serving(
     assert not guard.admits and guard.load_ratio > 1.0 and "under this load" in guard.reason
     assert installed[0].gauges()["cascade_guard_load_permille"] > 1000
     assert sum("under this load" in line for line in lines.lines) == 1, lines.lines
-    # the family of 1 decodes first, in cascade, and is weighed: once the weighing turns the
-    # path off it leaves for vLLM's kernel (it holds its blocks); the families after it are out
-    first, later = on[0][2], [r for _, _, r in on[1:-1]]
-    assert first["cascade_steps"] == SURE < MAX_TOKENS["tiny"] - 1, first
-    assert "under this load" in first["cascade_off"], first
+    # the family of 1 decodes first, in cascade, its steps weighed apart (no master shared):
+    # once they lose it goes on on vLLM's kernel with its blocks, a lone reader; the family of
+    # 4 shares its master and is weighed: once the weighing turns the path off it leaves for
+    # vLLM's kernel too; the family of 8 after it is out
+    lone, family, later = on[0][2], [r for _, _, r in on[1:5]], [r for _, _, r in on[5:-1]]
+    assert sum("every master has one reader" in line for line in lines.lines) == 1, lines.lines
+    assert lone["cascade_steps"] == SURE < MAX_TOKENS["tiny"] - 1 and "cascade_off" not in lone
+    assert all(r["cascade_steps"] == SURE and "under this load" in r["cascade_off"]
+               for r in family), family  # fmt: skip
     assert all("cascade_steps" not in r and "under this load" in r["cascade_off"] for r in later)
     _same_tokens(on, _serve(path, "float32", "tiny", doc_len, cascade_decode=False))
 
