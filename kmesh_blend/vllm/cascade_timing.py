@@ -186,5 +186,5 @@ class Lone:
     def line(self) -> str:
         """The log line once they lose."""
         return (f"kmesh: speed guard: serving, steps where every master has one reader cost "
-                f"{self.ratio:.2f}x what vLLM's kernel would ({len(self.steps)} weighed): a "
-                "master with one reader in a step is read on vLLM's kernel from now")  # fmt: skip
+                f"{self.ratio:.2f}x what vLLM's kernel would ({len(self.steps)} weighed): from "
+                "now on a master with one reader in a step is read on vLLM's kernel")  # fmt: skip
