@@ -35,8 +35,8 @@ PINNED = (
 def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torch.dtype,
                only_pinned: bool = False) -> Step | None:  # fmt: skip
     """The step of ``d``'s cascade requests in ``batch`` (None: vLLM's forward serves it):
-    plans matched by request id and block table, new readers armed (`arm_reader`; where lone
-    readers go to vLLM's kernel, only beside another reader of their masters), lone readers
+    plans matched by request id and block table, new readers armed (`arm_reader`; one alone
+    with its masters only where `SpeedGuard.arms_alone`), lone readers
     left to vLLM's kernel where the speed guard says so, the set composed, vLLM's sub-batch of
     the other requests built. Records the step's arming time (new readers' own rows placed in
     their slots included: paid once per reader, as its verification) and context rows on
@@ -60,15 +60,15 @@ def build_step(d: CascadeDecode, batch: StepBatch, layer: AttnLayer, dtype: torc
             decoding.append((i, plan))
         elif plan.armed:  # prefilled again after a preemption: its rows are new
             d.drop(req_id, PREEMPTED.format("its prompt was computed again"))
-    # where lone readers go to vLLM's kernel, a new reader is armed only beside another reader
-    # of its masters (arming one that stays alone would buy nothing)
+    # a new reader alone with its masters is armed only where that pays (`SpeedGuard.arms_alone`);
+    # else once another reader of them decodes beside it
     readers = Counter(key for _, plan in decoding for key in {use.key for use in plan.uses})
     chosen: list[tuple[int, DecodePlan]] = []
     armed_now: set[str] = set()
     for i, plan in decoding:
         req_id = plan.req_id
         if not plan.armed:
-            if d.guard.alone_on_stock and all(readers[use.key] == 1 for use in plan.uses):
+            if not d.guard.arms_alone and all(readers[use.key] == 1 for use in plan.uses):
                 continue
             plan.complete(batch.block_table[i], d.layout.block_size)
             if (why := d.guard.keeps_out(plan.steps_left(seq_lens[i]))) is not None:

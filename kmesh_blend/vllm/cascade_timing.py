@@ -1,8 +1,7 @@
 """What the start-up probe measured (`kmesh_blend.vllm.cascade_probe`), and the sign test that
 says when a difference is beyond this machine's noise; what the guard weighs of each cascade step
-(`Weighed`), steps where no master had two readers apart (`Lone`), and when it weighs a path
-it switched off again (`Backoff`). Read by
-`kmesh_blend.vllm.speed_guard`.
+(`Parts`, `Weighed`), steps where no master had two readers apart (`Lone`), and when it weighs a
+path it switched off again (`Backoff`). Read by `kmesh_blend.vllm.speed_guard`.
 Plain Python: no vLLM import.
 """
 
@@ -11,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 __all__ = [
     "RETRY",
@@ -19,6 +18,7 @@ __all__ = [
     "SIGN_LEVEL",
     "Backoff",
     "Lone",
+    "Parts",
     "Timing",
     "Weighed",
     "sign_needed",
@@ -91,6 +91,12 @@ class Timing:
         """A reader alone is slower on the cascade path (the same test)."""
         return self.alone_ratio > 1.0 and self._sure(self.alone_lost)
 
+    @property
+    def alone_faster(self) -> bool:
+        """A reader alone is faster on the cascade path, beyond this machine's noise (the same
+        test, the other way: its fastest run faster, enough of the paired runs won)."""
+        return self.alone_ratio < 1.0 and self._sure(self.runs - self.alone_lost)
+
     def _sure(self, lost: int) -> bool:
         return self.runs == 0 or lost >= sign_needed(self.runs)
 
@@ -124,6 +130,17 @@ class Timing:
             return ""
         return (f"; cascade slower in {self.family_lost} and {self.alone_lost} of {self.runs} "
                 f"paired runs (slower needs {sign_needed(self.runs)})")  # fmt: skip
+
+
+class Parts(Protocol):
+    """What `observe` reads of a step (`kmesh_blend.vllm.cascade_clock.StepParts`)."""
+
+    plan_s: float
+    arm_s: float
+    cascade_s: float
+    context_rows: int
+    period_s: float
+    lone: bool
 
 
 class Weighed(NamedTuple):

@@ -11,7 +11,9 @@ each on the cascade path and on vLLM's own kernel over the same requests' whole 
 - a reader alone slower: in a step where a master has one reader, that reader is served by
   vLLM's kernel (unless its blocks went back to vLLM's pool: only the cascade path can read it);
   the same once steps where no master had two readers lose under load (`cascade_timing.Lone`,
-  weighed apart: nothing is shared in them, so they say nothing of the steps that share).
+  weighed apart: nothing is shared in them, so they say nothing of the steps that share); a new
+  reader alone with its masters is armed only where it is surely faster alone, or memory pays
+  (`arms_alone`): else once a sibling decodes beside it.
 
 "Slower": the fastest run slower than vLLM's, and enough of the paired runs lost that "the same
 speed" is unlikely (`sign_needed`, a sign test); about equal: the weighing while serving decides.
@@ -38,26 +40,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from kmesh_blend.vllm.cascade_timing import Backoff, Lone, Timing, Weighed, sign_needed
+from kmesh_blend.vllm.cascade_timing import Backoff, Lone, Parts, Timing, Weighed, sign_needed
 from kmesh_blend.vllm.memory_value import StepFit, waits_for_blocks
 
 __all__ = ["EVIDENCE", "WINDOW", "SpeedGuard", "Timing", "sign_needed", "waits_for_blocks"]
 
 WINDOW = 64  # cascade steps weighed together
 EVIDENCE = 16  # cascade steps before the first weighing
-
-
-class Parts(Protocol):
-    """What `observe` reads of a step (`kmesh_blend.vllm.cascade_clock.StepParts`)."""
-
-    plan_s: float
-    arm_s: float
-    cascade_s: float
-    context_rows: int
-    period_s: float
-    lone: bool
 
 
 @dataclass
@@ -93,6 +83,15 @@ class SpeedGuard:
     def memory_short(self) -> bool:
         """A request waited for KV blocks within the window."""
         return any(self._short)
+
+    @property
+    def arms_alone(self) -> bool:
+        """A new reader no other reader of its masters decodes beside is armed now: it shares
+        nothing, so arming it buys a step only where the probe found the path surely faster
+        alone, and its blocks only where memory pays (``off``, untimed: as configured)."""
+        if (timing := self.timing) is None:
+            return True
+        return not self.alone_on_stock and (self.memory_pays or timing.alone_faster)
 
     @property
     def admits(self) -> bool:

@@ -374,6 +374,43 @@ def test_readers_sharing_fewer_rows_than_their_own_stay_on_vllm_s_kernel(
                             recompute_ratio=0.8))  # fmt: skip
 
 
+def test_a_lone_reader_is_armed_only_where_the_path_is_surely_faster_alone_or_memory_pays(
+) -> None:  # fmt: skip
+    # a family wins; one alone about equal (5 of 11 paired runs lost): neither way is sure
+    equal = Timing(8, 1024, 1000, 0.5e-3, 1e-3, 1.0e-3, 1e-3, runs=11, alone_lost=5)
+    guard = SpeedGuard.decide("auto", equal)
+    assert guard.admits and not guard.alone_on_stock and not guard.arms_alone
+    assert guard.note_memory(True) is not None and guard.memory_pays and guard.arms_alone
+    won = sign_needed(11)  # as many runs won as "slower" needs lost
+    for ratio, lost, arms in ((0.8, 11 - won, True), (0.8, 12 - won, False), (1.01, 0, False)):
+        alone = Timing(8, 1024, 1000, 0.5e-3, 1e-3, ratio * 1e-3, 1e-3, runs=11, alone_lost=lost)
+        assert SpeedGuard.decide("auto", alone).arms_alone is arms, (ratio, lost)
+    assert not SpeedGuard.decide("auto", _timing(0.7, 1.5)).arms_alone  # alone on vLLM's kernel
+    assert SpeedGuard.decide("off", equal).arms_alone  # as configured
+    assert SpeedGuard.decide("auto", None, "no scratch").arms_alone
+
+
+def test_a_reader_alone_with_its_master_waits_for_a_sibling_while_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kmesh_blend.vllm.cascade_install as cascade_install
+
+    # the family wins by far (vLLM's kernel a second per layer: the weighing under load keeps it
+    # on); one reader alone costs what vLLM's kernel does: arming it alone would buy nothing
+    timing = Timing(8, 1024, 1089, 1e-3, 1.0, 1.0, 1.0, runs=11, alone_lost=5)
+    monkeypatch.setattr(cascade_install, "probe", lambda *args, **kwargs: timing)
+    installed = _installed(monkeypatch)
+    path, doc_len = build_checkpoint(TINY_LLAMA), 300
+    on = _serve(path, "float32", "tiny", doc_len, cascade_decode=True, speed_guard="auto")
+    monkeypatch.undo()
+    guard = installed[0].guard
+    assert guard.admits and not guard.alone_on_stock and not guard.arms_alone, guard
+    lone, families = on[0][2], [report for _, _, report in on[1:-1]]
+    assert lone["cascade_steps"] == 0 and "cascade_off" not in lone, lone  # on vLLM's kernel
+    assert all(r["cascade_steps"] == MAX_TOKENS["tiny"] - 1 for r in families), families
+    _same_tokens(on, _serve(path, "float32", "tiny", doc_len, cascade_decode=False))
+
+
 def test_a_path_that_loses_under_load_is_switched_off_while_serving(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
