@@ -22,6 +22,11 @@ that, and that the pieces decode to the templated text. Result name ``follow_up_
 Both engines run with vLLM's prefix caching on (its default), otherwise the same settings.
 
 value = median KMesh follow-up TTFT / median stock follow-up TTFT (goal ≤ 0.25).
+config.ttft_vs_floor = median KMesh follow-up TTFT / its compute floor (goal ≤ 1.2), measured in
+the same run: in the second stock phase, stock's cold prefill of a prompt holding as many tokens
+as the blend computed for each follow-up (its private tokens + the reused ones it recomputed, from
+its report), plus the share of stock's full prefill the tokens it did not compute cost up to the
+check layer (``(last check layer + 1) / layers``, none at ratio 0 or 1.0).
 config.unannotated_overhead = median KMesh-engine TTFT of unannotated prompts / stock − 1
 (goal ≤ 3%); config.unannotated_cached_tokens: vLLM's prefix-cache hits (``num_cached_tokens``)
 of every unannotated request on each engine (goal: equal).
@@ -311,16 +316,21 @@ def main() -> None:
     # vLLM's prefix-cache hits of each unannotated request, per engine run
     cached: dict[str, list[list[int]]] = {"stock": [], "kmesh": []}
 
+    floor_prompts: list[list[int]] = []  # per round: as many fresh tokens as the blend computed
+    floor_s: list[float] = []
+
     def run_stock() -> None:
         stock = make_llm(work.path, **common)
         for _ in range(3):  # warm-up, unmeasured
             ttft(stock, work.warmup(), None)
         hits = []
-        for (ids, _), plain in progress(work.rounds, "stock rounds"):
+        for r, ((ids, _), plain) in enumerate(progress(work.rounds, "stock rounds")):
             times["stock"].append(ttft(stock, ids, None)[0])
             t, out = ttft(stock, plain, None)
             times["stock_plain"].append(t)
             hits.append(int(out.num_cached_tokens or 0))
+            if floor_prompts:
+                floor_s.append(ttft(stock, floor_prompts[r], None)[0])
         cached["stock"].append(hits)
         del stock
         gc.collect()
@@ -358,18 +368,27 @@ def main() -> None:
     cached["kmesh"].append(hits)
     del kmesh
     gc.collect()
+    computed = [len(ids) - r["reused_tokens"] + r["recomputed_tokens"]
+                for ((ids, _), _), r in zip(work.rounds, reports, strict=True)]  # fmt: skip
+    floor_prompts.extend(work.warmup()[:n] for n in computed)
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
 
     ensure_kv_transfer_shutdown()  # lets a connector-free engine start in this process again
     run_stock()
     med = {k: statistics.median(v) for k, v in times.items()}
     value = med["kmesh"] / med["stock"]
+    upto = check_share(work.path, ratio)  # the share of layers every token passes
+    floors = [f + upto * max(0.0, med["stock"] - f) for f in floor_s]
+    vs_floor = med["kmesh"] / statistics.median(floors)
     same_engine = med["kmesh"] / med["kmesh_plain"]
     overhead = med["kmesh_plain"] / med["stock_plain"] - 1.0
     print(f"follow-up of {work.tokens} tokens, {rounds} rounds (medians):")
     print(f"  stock vLLM (prefix caching on): {med['stock']:.3f} s")
     print(f"  KMesh reuse at ratio {ratio}:     {med['kmesh']:.3f} s  = {value:.3f}x of stock")
     print(f"  vs unannotated requests on the same engine (interleaved): {same_engine:.3f}x")
+    print(f"  compute floor (stock prefill of {statistics.median(computed):g} tokens, + "
+          f"{upto:.3f} of the rest): {statistics.median(floors):.3f} s; KMesh / floor "
+          f"{vs_floor:.3f}x")  # fmt: skip
     print(f"  reports: {reports}")
     print(f"  unannotated: stock {med['stock_plain']:.3f} s, KMesh engine "
           f"{med['kmesh_plain']:.3f} s ({overhead:+.1%})")  # fmt: skip
@@ -401,6 +420,11 @@ def main() -> None:
                 "recompute_ratio": ratio,
                 "drift_correction": args.drift_correction,
                 "seconds_median": {k: round(v, 4) for k, v in med.items()},
+                "ttft_vs_floor": round(vs_floor, 4),
+                "ttft_vs_floor_goal": 1.2,
+                "floor_s_median": round(statistics.median(floors), 4),
+                "floor_computed_tokens": computed,
+                "floor_check_share": round(upto, 4),
                 "kmesh_vs_unannotated_same_engine": round(same_engine, 4),
                 "unannotated_overhead": round(overhead, 4),
                 "unannotated_overhead_goal": 0.03,
@@ -414,6 +438,20 @@ def main() -> None:
             },
         }
     )
+
+
+def check_share(path: Path, ratio: float) -> float:
+    """The share of the model's layers every prompt token passes in a blend at ``ratio``: up to
+    and including the engine's last check layer (its default `KMeshConfig.check_layers`); 0 where
+    no check layer runs (ratio 0 or 1.0)."""
+    import json
+
+    from kmesh_blend.config import KMeshConfig
+
+    if ratio <= 0.0 or ratio >= 1.0:
+        return 0.0
+    layers = int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
+    return (max(KMeshConfig().check_layers) + 1) / layers
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What the start-up probe measured (`kmesh_blend.vllm.cascade_probe`), and the sign test that
 says when a difference is beyond this machine's noise; what the guard weighs of each cascade step
-(`Parts`, `Weighed`), steps where no master had two readers apart (`Lone`), and when it weighs a
-path it switched off again (`Backoff`). Read by `kmesh_blend.vllm.speed_guard`.
+(`Parts`, `Weighed`) over a `Window`, steps where no master had two readers apart (`Lone`), and
+when it weighs a path it switched off again (`Backoff`). Read by `kmesh_blend.vllm.speed_guard`.
 Plain Python: no vLLM import.
 """
 
@@ -13,18 +13,23 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 __all__ = [
+    "EVIDENCE",
     "RETRY",
     "RETRY_MAX",
     "SIGN_LEVEL",
+    "WINDOW",
     "Backoff",
     "Lone",
     "Parts",
     "Timing",
     "Weighed",
+    "Window",
     "sign_needed",
 ]
 
 SIGN_LEVEL = 0.05  # a "slower" must be this unlikely under "the same" (sign test)
+WINDOW = 64  # cascade steps weighed together
+EVIDENCE = 16  # cascade steps before the first weighing
 RETRY = 256  # engine steps off under load before the path is weighed again (doubling per try)
 RETRY_MAX = 8192
 
@@ -178,30 +183,56 @@ class Backoff:
 
 
 @dataclass
-class Lone:
-    """Steps in which every cascade request read its masters alone (nothing shared: only the
-    kernel's own speed can win there), weighed apart from the steps that share, over the last
-    64 of them: `loses` once they surely cost more than vLLM's kernel would (the sign test,
-    `sign_needed`) or, from ``evidence`` steps on, cost more in sum."""
+class Window:
+    """The last `WINDOW` weighed steps of one kind. ``weighed``: from `EVIDENCE` steps on, or
+    sooner where so many cost more than vLLM's kernel that "the same cost" is unlikely (the sign
+    test, `sign_needed`: 5 of 5) and they do in sum: off after 5 steps, on only after 16."""
 
-    evidence: int = 16
-    steps: deque[Weighed] = field(default_factory=lambda: deque(maxlen=64))
-
-    def loses(self, step: Weighed) -> bool:
-        self.steps.append(step)
-        cost, estimate = sum(w.cost for w in self.steps), sum(w.estimate for w in self.steps)
-        lost = sum(w.cost > w.estimate for w in self.steps)
-        return cost > estimate and (len(self.steps) >= self.evidence
-                                    or lost >= sign_needed(len(self.steps)))  # fmt: skip
+    steps: deque[Weighed] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     @property
-    def ratio(self) -> float:
-        """Their cost / vLLM's estimate (0: none weighed)."""
-        estimate = sum(w.estimate for w in self.steps)
-        return sum(w.cost for w in self.steps) / estimate if estimate > 0 else 0.0
+    def sums(self) -> tuple[float, float]:
+        """(the path's seconds, vLLM's estimated seconds) over the window."""
+        return sum(w.cost for w in self.steps), sum(w.estimate for w in self.steps)
+
+    @property
+    def weighed(self) -> bool:
+        if len(self.steps) >= EVIDENCE:
+            return True
+        cost, estimate = self.sums
+        lost = sum(w.cost > w.estimate for w in self.steps)
+        return lost >= sign_needed(len(self.steps)) and cost > estimate
+
+    @property
+    def ratio(self) -> float | None:
+        """The path's cost / vLLM's estimate once weighed (None: not yet, or no estimate)."""
+        cost, estimate = self.sums
+        return cost / estimate if self.weighed and estimate > 0 else None
+
+    @property
+    def added(self) -> float | None:
+        """The share of the steps' wall time the path added over vLLM's kernel, arming included
+        (None: their wall time unknown)."""
+        period = sum(w.period for w in self.steps)
+        return sum(w.cost - w.estimate + w.arm for w in self.steps) / period if period > 0 else None
+
+
+@dataclass
+class Lone:
+    """Steps in which every cascade request read its masters alone (nothing shared: only the
+    kernel's own speed can win there), weighed apart from the steps that share (a `Window` of
+    their own): `loses` once they are weighed and cost more than vLLM's kernel would."""
+
+    window: Window = field(default_factory=Window)
+
+    def loses(self, step: Weighed) -> bool:
+        self.window.steps.append(step)
+        return (ratio := self.window.ratio) is not None and ratio > 1.0
 
     def line(self) -> str:
         """The log line once they lose."""
+        cost, estimate = self.window.sums
         return (f"kmesh: speed guard: serving, steps where every master has one reader cost "
-                f"{self.ratio:.2f}x what vLLM's kernel would ({len(self.steps)} weighed): from "
-                "now on a master with one reader in a step is read on vLLM's kernel")  # fmt: skip
+                f"{cost / estimate:.2f}x what vLLM's kernel would ({len(self.window.steps)} "
+                "weighed): from now on a master with one reader in a step is read on vLLM's "
+                "kernel")  # fmt: skip

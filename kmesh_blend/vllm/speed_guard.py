@@ -41,13 +41,20 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from kmesh_blend.vllm.cascade_timing import Backoff, Lone, Parts, Timing, Weighed, sign_needed
+from kmesh_blend.vllm.cascade_timing import (
+    EVIDENCE,
+    WINDOW,
+    Backoff,
+    Lone,
+    Parts,
+    Timing,
+    Weighed,
+    Window,
+    sign_needed,
+)
 from kmesh_blend.vllm.memory_value import StepFit, waits_for_blocks
 
 __all__ = ["EVIDENCE", "WINDOW", "SpeedGuard", "Timing", "sign_needed", "waits_for_blocks"]
-
-WINDOW = 64  # cascade steps weighed together
-EVIDENCE = 16  # cascade steps before the first weighing
 
 
 @dataclass
@@ -63,7 +70,7 @@ class SpeedGuard:
     alone_on_stock: bool = False
     load_ratio: float | None = None  # cascade cost / vLLM's estimate over the window
     freed: float = 0.0  # blocks the readers in cascade give back (or would), share of the pool
-    _window: deque[Weighed] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    _window: Window = field(default_factory=Window)
     fit: StepFit = field(default_factory=StepFit)
     _short: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW))
     retry: Backoff = field(default_factory=Backoff)  # off under load: when to weigh it again
@@ -101,10 +108,7 @@ class SpeedGuard:
     def added(self) -> float | None:
         """The share of the weighed steps' wall time the path added over vLLM's kernel, arming
         included (None: not weighed yet, or their wall time unknown)."""
-        period = sum(w.period for w in self._window)
-        if self.load_ratio is None or period <= 0:
-            return None
-        return sum(w.cost - w.estimate + w.arm for w in self._window) / period
+        return None if self.load_ratio is None else self._window.added
 
     @property
     def bought(self) -> float:
@@ -153,7 +157,7 @@ class SpeedGuard:
             return reason
         if self.load_ratio is None:
             return (f"speed guard: blocks go back once cascade decode is weighed under this "
-                    f"load ({len(self._window)} of {EVIDENCE} steps weighed) and pays, or "
+                    f"load ({len(self._window.steps)} of {EVIDENCE} steps weighed) and pays, or "
                     "requests wait for KV blocks and what they buy outweighs its cost")  # fmt: skip
         return None
 
@@ -167,9 +171,10 @@ class SpeedGuard:
             return (f"speed guard: cascade decode is slower than vLLM's kernel here "
                     f"({self.timing.describe()})")  # fmt: skip
         assert self.load_ratio is not None
-        measured, estimated = (t * 1e3 / len(self._window) for t in self._sums())
+        steps = len(self._window.steps)
+        measured, estimated = (t * 1e3 / steps for t in self._window.sums)
         load = (f"speed guard: under this load a cascade step costs {self.load_ratio:.2f}x what "
-                f"vLLM's kernel would for the same requests (mean of the last {len(self._window)} "
+                f"vLLM's kernel would for the same requests (mean of the last {steps} "
                 f"steps: {measured:.2f} ms vs {estimated:.2f} ms)")  # fmt: skip
         if state == "load":
             return f"{load} and no request waits for KV blocks"
@@ -209,20 +214,12 @@ class SpeedGuard:
         if parts.lone and not (self.alone_on_stock or self.memory_short):  # nothing shared here
             self.alone_on_stock = self.lone.loses(weighed)
             return self.lone.line() if self.alone_on_stock else None
-        self._window.append(weighed)
-        if len(self._window) >= EVIDENCE or self._surely_slower():
-            measured, estimated = self._sums()
-            self.load_ratio = measured / estimated if estimated > 0 else None
+        self._window.steps.append(weighed)
+        if self._window.weighed:
+            self.load_ratio = self._window.ratio
             if self.load_ratio is not None and self.load_ratio <= 1.0:
                 self.retry.paid()
         return self._changed(before)
-
-    def _surely_slower(self) -> bool:
-        """Before `EVIDENCE` steps: so many weighed steps lost that "the same cost" is unlikely
-        (`sign_needed`: 5 of 5); off after 5 instead of 16, on still takes `EVIDENCE`."""
-        lost = sum(w.cost > w.estimate for w in self._window)
-        measured, estimated = self._sums()
-        return lost >= sign_needed(len(self._window)) and measured > estimated
 
     def note_memory(self, short: bool) -> str | None:
         """A step begins; ``short``: a request waited for blocks. Off under load long enough, the
@@ -233,7 +230,7 @@ class SpeedGuard:
         before = self.state
         self._short.append(short)
         if self.retry.tick(self.state == "load"):
-            self._window.clear()
+            self._window.steps.clear()
             self.load_ratio = None
         return self._changed(before)
 
@@ -244,10 +241,6 @@ class SpeedGuard:
         before = self.state
         self.fit.add(tokens, seconds)
         return self._changed(before)
-
-    def _sums(self) -> tuple[float, float]:
-        """(cascade seconds, vLLM's estimated seconds) over the window."""
-        return sum(w.cost for w in self._window), sum(w.estimate for w in self._window)
 
     def _changed(self, before: str) -> str | None:
         return None if self.state == before else self.line()

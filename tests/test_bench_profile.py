@@ -1,0 +1,61 @@
+"""bench/blend_profile.py's timers: each phase keeps its own time (nested phases subtracted), so
+the phases of a request add up to its wall time; and its ``--docs`` layouts parse or say why."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+BENCH = str(Path(__file__).resolve().parents[1] / "bench")
+
+
+@pytest.fixture(scope="module")
+def blend_profile() -> ModuleType:
+    """The script as a module; the environment it sets for its engines (follow_up_ttft's) is
+    put back, so later tests' engines start as they would have."""
+    saved = dict(os.environ)
+    sys.path.insert(0, BENCH)
+    try:
+        return importlib.import_module("blend_profile")
+    finally:
+        sys.path.remove(BENCH)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_nested_phases_keep_their_own_time_and_add_up_to_the_whole(
+    blend_profile: ModuleType,
+) -> None:
+    def inner() -> None:
+        time.sleep(0.02)
+
+    def outer() -> None:
+        time.sleep(0.01)
+        calls.inner()
+        calls.inner()
+
+    calls = SimpleNamespace(outer=outer, inner=inner)
+    timers = blend_profile.Timers()
+    timers.wrap(calls, "inner", "inner")
+    timers.wrap(calls, "outer", "outer")
+    start = time.perf_counter()
+    calls.outer()
+    wall = time.perf_counter() - start
+    own = timers.take()
+    assert own["inner"] >= 0.04 and 0.01 <= own["outer"] < 0.03, own
+    assert sum(own.values()) == pytest.approx(wall, abs=2e-3)
+    assert timers.take() == {}  # taken: the next request starts from nothing
+
+
+def test_a_layout_is_documents_times_tokens(blend_profile: ModuleType) -> None:
+    assert blend_profile.layout("4x192") == (4, 192)
+    for bad in ("192", "0x192", "4x8", "axb"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--docs wants NxM"):
+            blend_profile.layout(bad)
