@@ -163,6 +163,25 @@ def prompts_for(count: int, tokens: int, needed: int) -> tuple[Path, list[Prompt
     return path, split
 
 
+def markdown(table: list[dict[str, Any]]) -> str:
+    """The profile as docs/performance.md shows it: per layout, a phase a row, a ratio a column
+    (ms, median own time), then TTFT, stock's prefill and their ratio."""
+    lines = []
+    for name in dict.fromkeys(row["layout"] for row in table):
+        rows = [row for row in table if row["layout"] == name]
+        head = " | ".join(f"ratio {row['ratio']:g}" for row in rows)
+        lines += [f"| {name}, ms | {head} |", "|---" * (len(rows) + 1) + "|"]
+        for phase in PHASES:
+            cells = [row["phases_ms"][phase] for row in rows]
+            if any(cells):
+                lines.append(f"| {phase} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+        for label, key in (("**TTFT**", "ttft_ms"), ("stock prefill", "stock_ms")):
+            lines.append(f"| {label} | " + " | ".join(f"{row[key]:.1f}" for row in rows) + " |")
+        lines.append("| TTFT / stock | " + " | ".join(f"{r['vs_stock']:.3f}" for r in rows) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="4x192 only, 2 repeats")
@@ -240,6 +259,7 @@ def main() -> None:
             for p in PHASES:
                 if row[p] > 0:
                     print(f"    {p:14s} {row[p] * 1e3:8.2f} ms  {row[p] / ttft:6.1%}")
+    print(markdown(table))
     first = names[0]
     emit(
         {
