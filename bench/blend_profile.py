@@ -16,7 +16,10 @@ keep each phase's *own* time (nested phases subtracted), so the phases add up to
 
 | phase | wrapped |
 |---|---|
-| engine | `LLM.generate` less all below: scheduling, vLLM's forward of the last token, sampling |
+| engine | `LLM.generate` less all below: request set-up, outputs |
+| scheduler | vLLM's `Scheduler.schedule`, the connector's scheduler side in it (matching) |
+| vllm forward | `CPUModelRunner.execute_model` less the blend in it: the last token's forward |
+| sampling | `CPUModelRunner.sample_tokens` |
 | fetch | `worker_load.fetch_masters`: the masters from the segment cache |
 | prefix | `worker_load.blend_request`: vLLM's exact prefix read back, the blend's input |
 | setup | `RequestBlend.__init__`: selection plan, embeddings |
@@ -93,6 +96,8 @@ class Timers:
 def install(timers: Timers) -> None:
     """Wrap each phase's functions (see the module docstring)."""
     from vllm import LLM
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     import kmesh_blend.blend.group as group
     import kmesh_blend.vllm.worker_side as worker_side
@@ -103,6 +108,9 @@ def install(timers: Timers) -> None:
 
     for owner, name, label in (
         (LLM, "generate", "engine"),
+        (Scheduler, "schedule", "scheduler"),
+        (CPUModelRunner, "execute_model", "vllm forward"),
+        (CPUModelRunner, "sample_tokens", "sampling"),
         (worker_side.WorkerSide, "load", "blend rest"),
         (worker_side.WorkerSide, "save", "save"),
         (worker_side, "fetch_masters", "fetch"),
@@ -124,9 +132,9 @@ def install(timers: Timers) -> None:
         timers.wrap(owner, name, label)
 
 
-PHASES = ("engine", "fetch", "prefix", "setup", "master read", "re-position", "frames", "qkv",
-          "select", "drift", "kv write", "attention", "o-proj + mlp", "finish", "blend rest",
-          "save")  # fmt: skip
+PHASES = ("engine", "scheduler", "vllm forward", "sampling", "fetch", "prefix", "setup",
+          "master read", "re-position", "frames", "qkv", "select", "drift", "kv write",
+          "attention", "o-proj + mlp", "finish", "blend rest", "save")  # fmt: skip
 
 
 def generate(llm: Any, ids: list[int], segments: dict[str, Any] | None) -> Any:
