@@ -19,7 +19,7 @@ keep each phase's *own* time (nested phases subtracted), so the phases add up to
 | engine | `LLM.generate` less all below: request set-up, outputs |
 | scheduler | vLLM's `Scheduler.schedule`, the connector's scheduler side in it (matching) |
 | vllm forward | `CPUModelRunner.execute_model` less the blend in it: the last token's forward |
-| sampling | `CPUModelRunner.sample_tokens` |
+| sampling | `CPUModelRunner.sample_tokens` (stock's column: `vllm forward` less attention) |
 | fetch | `worker_load.fetch_masters`: the masters from the segment cache |
 | prefix | `worker_load.blend_request`: vLLM's exact prefix read back, the blend's input |
 | setup | `RequestBlend.__init__`: selection plan, embeddings |
@@ -30,7 +30,7 @@ keep each phase's *own* time (nested phases subtracted), so the phases add up to
 | select | `RequestBlend._select`: the check layer's deviation score and top share |
 | drift | `DriftCorrection.calibrate` / `apply` |
 | kv write | `cpu_attention.write_kv`: the layer's rows into vLLM's paged cache |
-| attention | `cpu_attention.run_kernel` (vLLM's kernel) and the hook around it |
+| attention | `cpu_attention.run_kernel` and the hook around it; `CPUAttentionBackendImpl.forward` |
 | o-proj + mlp | `RequestBlend.end` |
 | finish | `RequestBlend.finish` |
 | blend rest | `WorkerSide.load` less the above: hooks, results, decode plans |
@@ -96,6 +96,7 @@ class Timers:
 def install(timers: Timers) -> None:
     """Wrap each phase's functions (see the module docstring)."""
     from vllm import LLM
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
@@ -111,6 +112,7 @@ def install(timers: Timers) -> None:
         (Scheduler, "schedule", "scheduler"),
         (CPUModelRunner, "execute_model", "vllm forward"),
         (CPUModelRunner, "sample_tokens", "sampling"),
+        (CPUAttentionBackendImpl, "forward", "attention"),
         (worker_side.WorkerSide, "load", "blend rest"),
         (worker_side.WorkerSide, "save", "save"),
         (worker_side, "fetch_masters", "fetch"),
@@ -173,20 +175,21 @@ def prompts_for(count: int, tokens: int, needed: int) -> tuple[Path, list[Prompt
 
 def markdown(table: list[dict[str, Any]]) -> str:
     """The profile as docs/performance.md shows it: per layout, a phase a row, a ratio a column
-    (ms, median own time), then TTFT, stock's prefill and their ratio."""
+    and stock's prefill the last (ms, median own time), then TTFT and its ratio to stock's."""
     lines = []
     for name in dict.fromkeys(row["layout"] for row in table):
         rows = [row for row in table if row["layout"] == name]
         head = " | ".join(f"ratio {row['ratio']:g}" for row in rows)
-        lines += [f"| {name}, ms | {head} |", "|---" * (len(rows) + 1) + "|"]
+        lines += [f"| {name}, ms | {head} | stock |", "|---" * (len(rows) + 2) + "|"]
         for phase in PHASES:
             cells = [row["phases_ms"][phase] for row in rows]
+            cells.append(rows[0].get("stock_phases_ms", {}).get(phase, 0.0))
             if any(cells):
                 lines.append(f"| {phase} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
-        for label, key in (("**TTFT**", "ttft_ms"), ("stock prefill", "stock_ms")):
-            lines.append(f"| {label} | " + " | ".join(f"{row[key]:.1f}" for row in rows) + " |")
-        lines.append("| TTFT / stock | " + " | ".join(f"{r['vs_stock']:.3f}" for r in rows) + " |")
-        lines.append("")
+        ttft = " | ".join(f"{row['ttft_ms']:.1f}" for row in rows)
+        lines.append(f"| **TTFT** | {ttft} | {rows[0]['stock_ms']:.1f} |")
+        vs = " | ".join(f"{r['vs_stock']:.3f}" for r in rows)
+        lines += [f"| TTFT / stock | {vs} | 1 |", ""]
     return "\n".join(lines)
 
 
@@ -213,14 +216,14 @@ def main() -> None:
               "block_size": BLOCK_SIZE}  # fmt: skip
     timers = Timers()
     install(timers)
-    stock: dict[str, list[float]] = defaultdict(list)  # per layout, a TTFT per prompt and run
+    stock: dict[str, list[dict[str, float]]] = defaultdict(list)  # per layout: each prompt's
 
     def run_stock() -> None:
         llm = make_llm(path, **common)
         for name, (_, prompts) in work.items():
             generate(llm, prompts[0][0][::-1], None)  # warm-up, unmeasured (a cold prompt)
             for ids, _ in progress(prompts[1:], f"stock, {name}"):
-                stock[name].append(sum(measure(timers, llm, ids, None)[0].values()))
+                stock[name].append(measure(timers, llm, ids, None)[0])
         del llm
         gc.collect()
 
@@ -246,7 +249,9 @@ def main() -> None:
     run_stock()
     table, vs_stock = [], {}
     for name, (_, prompts) in work.items():
-        stock_s = statistics.median(stock[name])
+        stock_s = statistics.median(sum(r.values()) for r in stock[name])
+        stock_row = {p: round(statistics.median(r.get(p, 0.0) for r in stock[name]) * 1e3, 2)
+                     for p in PHASES}  # fmt: skip
         length = statistics.median(len(ids) for ids, _ in prompts[1:])
         print(f"{name} ({length:g}-token prompts): stock prefill {stock_s * 1e3:.1f} ms (median)")
         for ratio in RATIOS:
@@ -261,7 +266,8 @@ def main() -> None:
                           "reused_tokens": reused, "recomputed_tokens": recomputed,
                           "ttft_ms": round(ttft * 1e3, 2), "stock_ms": round(stock_s * 1e3, 2),
                           "vs_stock": round(ttft / stock_s, 4),
-                          "phases_ms": {p: round(t * 1e3, 2) for p, t in row.items()}})  # fmt: skip
+                          "phases_ms": {p: round(t * 1e3, 2) for p, t in row.items()},
+                          "stock_phases_ms": stock_row})  # fmt: skip
             print(f"  ratio {ratio:g}: TTFT {ttft * 1e3:.1f} ms = {ttft / stock_s:.3f}x stock "
                   f"({reused:g} reused, {recomputed:g} of them recomputed)")  # fmt: skip
             for p in PHASES:

@@ -66,10 +66,15 @@ def test_the_markdown_table_has_a_row_per_measured_phase_and_a_column_per_ratio(
 ) -> None:
     phases = dict.fromkeys(blend_profile.PHASES, 0.0)
     rows = [{"layout": "4x192", "ratio": r, "ttft_ms": t, "stock_ms": 100.0, "vs_stock": t / 100,
-             "phases_ms": {**phases, "engine": t - 5.0, "qkv": 5.0}}
+             "phases_ms": {**phases, "engine": t - 5.0, "qkv": 5.0},
+             "stock_phases_ms": {**phases, "attention": 40.0, "engine": 60.0}}
             for r, t in ((0.0, 20.0), (1.0, 105.0))]  # fmt: skip
     lines = blend_profile.markdown(rows).splitlines()
-    assert lines[0] == "| 4x192, ms | ratio 0 | ratio 1 |"
-    assert "| engine | 15.0 | 100.0 |" in lines and "| qkv | 5.0 | 5.0 |" in lines
+    assert lines[0] == "| 4x192, ms | ratio 0 | ratio 1 | stock |"
+    assert "| engine | 15.0 | 100.0 | 60.0 |" in lines and "| qkv | 5.0 | 5.0 | 0.0 |" in lines
+    assert (
+        "| attention | 0.0 | 0.0 | 40.0 |" in lines
+        and "| **TTFT** | 20.0 | 105.0 | 100.0 |" in lines
+    )
     assert not any(line.startswith("| drift") for line in lines)  # never measured: left out
-    assert "| TTFT / stock | 0.200 | 1.050 |" in lines
+    assert "| TTFT / stock | 0.200 | 1.050 | 1 |" in lines

@@ -267,3 +267,25 @@ def test_gpu_check_without_cuda_exits_2(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "no CUDA device" in proc.stderr and not (tmp_path / "r.json").exists()
+
+
+def test_rotation_tables_are_kept_per_shift_tensor_and_within_a_byte_budget() -> None:
+    """The blend passes each segment use's shift tensor again layer after layer: with several
+    segments in a prompt, each keeps its tables (one entry thrashed); old ones go past the
+    budget."""
+    from kmesh_blend.ops import reference
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    a, b = torch.arange(7), torch.full((7,), 3)
+    first = reference.rope_tables(a, inv_freq), reference.rope_tables(b, inv_freq)
+    again = reference.rope_tables(a, inv_freq), reference.rope_tables(b, inv_freq)
+    assert all(x[0] is y[0] and x[1] is y[1] for x, y in zip(first, again, strict=True))
+    k = torch.randn(7, 2, 64)
+    moved = reference.reposition_reference(k, b, inv_freq)
+    assert torch.equal(moved, reference.reposition_reference(k, b.clone(), inv_freq))
+    big = [torch.arange(4096) + i for i in range(40)]  # 1 MiB of tables each
+    for delta in big:
+        reference.rope_tables(delta, inv_freq)
+    memo = reference._TABLES
+    assert memo.held <= memo.BYTES and memo.get(big[-1], inv_freq) is not None
+    assert memo.get(a, inv_freq) is None  # the oldest went first

@@ -26,24 +26,48 @@ def rope_tables(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tens
     Computed once per distinct shift with a fixed shape, so a shift's table is bit-identical no
     matter how many rows or which other shifts share the call.
     """
-    global _tables_memo
-    memo = _tables_memo
-    if memo is not None and memo[0] is delta and memo[1] is inv_freq:
-        return memo[2], memo[3]
+    if (hit := _TABLES.get(delta, inv_freq)) is not None:
+        return hit
     unique, inverse = torch.unique(delta, return_inverse=True)
     cos = torch.empty(unique.numel(), inv_freq.numel(), dtype=torch.float32)
     sin = torch.empty_like(cos)
     for i, d in enumerate(unique.tolist()):
         angle = torch.full((1,), float(d), dtype=torch.float32) * inv_freq.float()[None, :]
         cos[i], sin[i] = angle.cos()[0], angle.sin()[0]
-    out = cos[inverse], sin[inverse]
-    _tables_memo = (delta, inv_freq, *out)
-    return out
+    return _TABLES.put(delta, inv_freq, (cos[inverse], sin[inverse]))
 
 
-# The last tables, reused while callers pass the very same ``delta`` tensor again (the blend does,
-# layer after layer). Inputs are never mutated in place.
-_tables_memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+class _Memo:
+    """Recent results, keyed by the identity of their input tensors: the blend passes the very
+    same ``delta`` tensor again layer after layer, one per segment use (one entry thrashed with
+    several segments in a prompt, and the tables cost more than the rotation). At most `BYTES` of
+    tables are held (the oldest go first). Inputs are never mutated in place; entries hold them,
+    so an identity is never reused while its entry lives."""
+
+    BYTES = 16 << 20
+
+    def __init__(self) -> None:
+        self.items: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Tables]] = {}
+        self.held = 0
+
+    def get(self, delta: torch.Tensor, inv_freq: torch.Tensor) -> Tables | None:
+        hit = self.items.get((id(delta), id(inv_freq)))
+        return hit[2] if hit is not None else None
+
+    def put(self, delta: torch.Tensor, inv_freq: torch.Tensor, tables: Tables) -> Tables:
+        self.items[(id(delta), id(inv_freq))] = (delta, inv_freq, tables)
+        self.held += _nbytes(tables)
+        while self.held > self.BYTES and len(self.items) > 1:
+            self.held -= _nbytes(self.items.pop(next(iter(self.items)))[2])
+        return tables
+
+
+def _nbytes(tables: Tables) -> int:
+    return sum(t.numel() * t.element_size() for t in tables)
+
+
+Tables = tuple[torch.Tensor, torch.Tensor]
+_TABLES, _SIGNED = _Memo(), _Memo()  # `rope_tables`, `_signed_tables`
 
 
 @torch.no_grad()
@@ -71,23 +95,17 @@ def reposition_reference(
     return out
 
 
-def _signed_tables(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _signed_tables(delta: torch.Tensor, inv_freq: torch.Tensor) -> Tables:
     """(C, S) for `reposition_reference`: [n, 1, D] fp32, or [1, 1, D] when every shift is equal
     (a broadcast of the same values); memoized like `rope_tables`."""
-    global _signed_memo
-    memo = _signed_memo
-    if memo is not None and memo[0] is delta and memo[1] is inv_freq:
-        return memo[2], memo[3]
+    if (hit := _SIGNED.get(delta, inv_freq)) is not None:
+        return hit
     cos, sin = rope_tables(delta, inv_freq)
     if delta.numel() and bool((delta == delta[0]).all()):
         cos, sin = cos[:1], sin[:1]
     c = torch.cat((cos, cos), dim=-1)[:, None, :]
     s = torch.cat((-sin, sin), dim=-1)[:, None, :]
-    _signed_memo = (delta, inv_freq, c, s)
-    return c, s
-
-
-_signed_memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    return _SIGNED.put(delta, inv_freq, (c, s))
 
 
 @torch.no_grad()
