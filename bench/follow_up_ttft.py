@@ -72,7 +72,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _chats import shared_system_chats
-from _common import emit, plot_bars, progress, use_allocator
+from _common import cpu_flags, emit, plot_bars, progress, use_allocator
+from _serving import attn_isa
 
 from kmesh_blend.quality.text import DEMO_TOPICS, reference_text
 from kmesh_blend.testing import BENCH_LLAMA, SMOLLM2, build_checkpoint, smollm2_checkpoint
@@ -415,6 +416,8 @@ def main() -> None:
                 "model": work.model,
                 "dtype": args.dtype,
                 "allocator": allocator,
+                "attn_isa": attn_isa(args.dtype, 128, head_size(work.path)),
+                "cpu": cpu_flags(),
                 "document": doc_len,
                 "tokens": work.tokens,
                 "recompute_ratio": ratio,
@@ -444,14 +447,24 @@ def check_share(path: Path, ratio: float) -> float:
     """The share of the model's layers every prompt token passes in a blend at ``ratio``: up to
     and including the engine's last check layer (its default `KMeshConfig.check_layers`); 0 where
     no check layer runs (ratio 0 or 1.0)."""
-    import json
-
     from kmesh_blend.config import KMeshConfig
 
     if ratio <= 0.0 or ratio >= 1.0:
         return 0.0
-    layers = int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
+    layers = int(_hf_config(path)["num_hidden_layers"])
     return (max(KMeshConfig().check_layers) + 1) / layers
+
+
+def head_size(path: Path) -> int:
+    """The checkpoint's attention head size (what vLLM's CPU kernel choice depends on)."""
+    config = _hf_config(path)
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def _hf_config(path: Path) -> dict[str, Any]:
+    import json
+
+    return dict(json.loads((path / "config.json").read_text()))
 
 
 if __name__ == "__main__":

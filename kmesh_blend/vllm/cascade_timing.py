@@ -231,8 +231,7 @@ class Lone:
 
     def line(self) -> str:
         """The log line once they lose."""
-        cost, estimate = self.window.sums
+        steps, ratio = len(self.window.steps), self.window.ratio or 0.0
         return (f"kmesh: speed guard: serving, steps where every master has one reader cost "
-                f"{cost / estimate:.2f}x what vLLM's kernel would ({len(self.window.steps)} "
-                "weighed): from now on a master with one reader in a step is read on vLLM's "
-                "kernel")  # fmt: skip
+                f"{ratio:.2f}x what vLLM's kernel would ({steps} weighed): from now on a master "
+                "with one reader in a step is read on vLLM's kernel")  # fmt: skip
