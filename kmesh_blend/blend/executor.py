@@ -63,10 +63,12 @@ class BlendResult(NamedTuple):
 
     keys / values: per layer [T, Hkv, D] (keys rotated at positions 0..T-1), what the paged KV
     cache must hold. logits: [1, vocab] fp32 of the last prompt token (None when the request
-    wants no output: `BlendRequest.output`). recomputed: [T] bool,
-    reused tokens that were recomputed through the last layer. last_state: the last prompt
-    token's output of the last layer, [1, ...] in the model's state format (what its final norm
-    and LM head read; the vLLM worker hands it to vLLM's sampler in place of vLLM's own).
+    wants no output or no logits: `BlendRequest.output`, `.logits`). recomputed: [T] bool,
+    reused tokens that were recomputed through the last layer. last_state: the last layer's
+    output of the prompt's last m tokens, [m, ...] in the model's state format (what its final
+    norm and LM head read; the vLLM worker hands it to vLLM's sampler in place of vLLM's own):
+    the run of computed tokens that ends the prompt, m ≥ 1 (m = 1 also when the last token was
+    not computed: then the last computed token's).
     drift_rows: with drift correction on, the stale rows it shifted in the last layer (0: it
     had nothing to measure or shift); None when it was off or no check layer ran (ratio 0
     or 1.0).
@@ -209,8 +211,13 @@ class RequestBlend:
         recomputed = torch.zeros_like(self.reused)
         recomputed[self.computed] = True
         recomputed &= self.reused
-        last = self.hidden[-1:]
-        logits = self.model.logits(last) if self.request.output else None
+        run = (
+            self.computed.flip(0)
+            == torch.arange(self.positions.numel() - 1, -1, -1)[: self.computed.numel()]
+        )  # the computed tokens that end the prompt, counted from its last
+        last = self.hidden[-max(1, int(run.cumprod(0).sum())) :]
+        wanted = self.request.output and self.request.logits
+        logits = self.model.logits(last[-1:]) if wanted else None
         drift = None if self.drift is None else self.drift.last_rows
         return BlendResult(self.keys, self.values, logits, recomputed, self.num_reused,
                            int(recomputed.sum()), last, drift)  # fmt: skip

@@ -55,12 +55,16 @@ class BlendRequest:
     ``output``: the last token's output (logits, final state) is wanted, so that token is always
     computed. False for a blend that stops inside the prompt (vLLM's forward computes the tokens
     after it): the last token is then selected like any other and no logits are computed.
+    ``logits``: with ``output``, compute the last token's logits too (False for a caller that
+    samples from the result's final state itself, as the vLLM worker does through vLLM's
+    sampler: a vocabulary-wide projection saved).
     """
 
     token_ids: torch.Tensor
     uses: tuple[SegmentUse, ...] = ()
     exact_prefix: int = 0
     output: bool = True
+    logits: bool = True
 
     def __post_init__(self) -> None:
         t = self.token_ids

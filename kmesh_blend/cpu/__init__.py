@@ -1,6 +1,7 @@
 """CPU kernels in C++ (AVX-512), compiled on first use; public API: `cascade_decode_op`,
 `verify_rows_op` (arming a cascade reader: its rows against a master, `verify_rows.cpp`),
-`fill_own_op` (a reader's own rows from the paged cache into the kernel's tiles, `fill_own.cpp`).
+`fill_own_op` (a reader's own rows from the paged cache into the kernel's tiles, `fill_own.cpp`),
+`reposition_op` (stored keys moved to new positions in one pass, `reposition.cpp`).
 
 A family's decode attention on this CPU is bound by arithmetic (vLLM's fused CPU kernel reaches
 ≈ 31 GFLOP/s on it), and cascade does the same arithmetic as per-request attention; what it
@@ -24,13 +25,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cascade_decode_op", "cpu_flags", "cpu_kernel_expected", "fill_own_op", "verify_rows_op"]
+__all__ = [
+    "cascade_decode_op", "cpu_flags", "cpu_kernel_expected", "fill_own_op", "reposition_op",
+    "verify_rows_op",
+]  # fmt: skip
 
 log = logging.getLogger("kmesh_blend.cpu")
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cascade_decode.cpp", "verify_rows.cpp", "fill_own.cpp")
+    for name in ("cascade_decode.cpp", "verify_rows.cpp", "fill_own.cpp", "reposition.cpp")
 ]
 _NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # -ffp-contract=off: products and sums rounded one by one, as torch's ops round them
@@ -96,6 +100,15 @@ def fill_own_op() -> Callable[..., Any] | None:
     import torch
 
     return torch.ops.kmesh_cpu.fill_own if _loaded is not None and _loaded[0] else None
+
+
+def reposition_op() -> Callable[..., Any] | None:
+    """``torch.ops.kmesh_cpu.reposition`` (`reposition.cpp`: keys moved by position shifts, the
+    torch reference's bits) once this process loaded the kernels, else None (callers keep the
+    reference; never builds, as `verify_rows_op`)."""
+    import torch
+
+    return torch.ops.kmesh_cpu.reposition if _loaded is not None and _loaded[0] else None
 
 
 def _load() -> tuple[Callable[..., Any] | None, str | None]:

@@ -4,7 +4,8 @@ Backends: ``"triton"`` runs the kernels of `kmesh_blend.kernels` (compiled on CU
 only under ``TRITON_INTERPRET=1``, which the tests use); ``"torch"`` runs the fp32 references of
 `kmesh_blend.ops.reference`; ``"auto"`` picks Triton for CUDA tensors when that kernel's start-up
 self-check passed (`kmesh_blend.ops.selfcheck`, run by `kmesh_blend.ops.dispatch`), torch
-otherwise.
+otherwise — for re-positioning on the CPU, `kmesh_blend.cpu`'s one-pass op where this process
+loaded those kernels (the reference's bits).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 
 import torch
 
+from kmesh_blend.cpu import reposition_op
 from kmesh_blend.ops import reference, selfcheck  # noqa: F401 (selfcheck registers the checks)
 from kmesh_blend.ops.dispatch import (
     Backend,
@@ -50,6 +52,12 @@ def reposition_keys(
     check_index("delta", delta, k.shape[0], k.device)
     if use_triton(backend, k, "reposition_kernel"):
         return _reposition_triton(k, delta, inv_freq, torch.empty_like(k) if out is None else out)
+    if backend == "auto" and k.device.type == "cpu" and (op := reposition_op()) is not None:
+        # The reference's math and roundings in one pass (kmesh_blend/cpu/reposition.cpp).
+        c, s = reference.signed_tables(delta, inv_freq)
+        target = torch.empty_like(k) if out is None else out
+        op(k, c, s, target)
+        return target
     return reference.reposition_reference(k, delta, inv_freq, out)
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "reposition_reference",
     "rope_tables",
     "scatter_paged_reference",
+    "signed_tables",
 ]
 
 
@@ -67,7 +68,7 @@ def _nbytes(tables: Tables) -> int:
 
 
 Tables = tuple[torch.Tensor, torch.Tensor]
-_TABLES, _SIGNED = _Memo(), _Memo()  # `rope_tables`, `_signed_tables`
+_TABLES, _SIGNED = _Memo(), _Memo()  # `rope_tables`, `signed_tables`
 
 
 @torch.no_grad()
@@ -83,7 +84,7 @@ def reposition_reference(
     each product and sum rounded to fp32 on its own (computed as x·C + swap(x)·S with
     C = (c, c), S = (−s, s): the same bits, in fewer passes).
     """
-    c, s = _signed_tables(delta, inv_freq)
+    c, s = signed_tables(delta, inv_freq)
     kf = k.float()
     half = k.shape[-1] // 2
     swapped = torch.cat((kf[..., half:], kf[..., :half]), dim=-1)
@@ -95,7 +96,7 @@ def reposition_reference(
     return out
 
 
-def _signed_tables(delta: torch.Tensor, inv_freq: torch.Tensor) -> Tables:
+def signed_tables(delta: torch.Tensor, inv_freq: torch.Tensor) -> Tables:
     """(C, S) for `reposition_reference`: [n, 1, D] fp32, or [1, 1, D] when every shift is equal
     (a broadcast of the same values); memoized like `rope_tables`."""
     if (hit := _SIGNED.get(delta, inv_freq)) is not None:

@@ -111,6 +111,7 @@ class KMeshConnector(KVConnectorBase_V1):
                 attention_layers(vllm_config),
                 tp_shard(vllm_config),
                 batch_order(vllm_config),
+                skip_tail_forward=vllm_config.speculative_config is None,
             )
         log.info("kmesh: %s side ready (%s)", role.name.lower(), self.config)
         if self.config.cascade_decode and self.config.drift_correction == "auto":

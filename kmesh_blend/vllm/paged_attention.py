@@ -57,6 +57,9 @@ class PagedAttention:
             log.warning("kmesh: vLLM attention kernel not used for blends: %s", problem)
             return None
         log.info("kmesh: blend attention runs on vLLM's CPU attention kernel (self-check passed)")
+        from kmesh_blend.cpu import cascade_decode_op
+
+        cascade_decode_op()  # loads kmesh's CPU ops (the blend re-positions keys with one)
         return self
 
     def hook(

@@ -3,6 +3,8 @@ segments, or run stock (the report says why)."""
 
 from __future__ import annotations
 
+import math
+
 from kmesh_blend.segments.annotation import Annotation
 from kmesh_blend.segments.identity import Namespace
 from kmesh_blend.vllm.meta import VLLM_TAIL, SegmentRef
@@ -52,26 +54,40 @@ def plan_reuse(
     if annotation.keep and len(tokens) >= HEAD:
         plan.keep = turns.keep(namespace, tokens, refs)
     ratio = plan.options[0] if plan.options[0] is not None else recompute_ratio
-    plan.end = blend_end(len(tokens), plan.loads, ratio, plan.keep is not None)
+    plan.end = blend_end(len(tokens), plan.loads, ratio, plan.keep is not None,
+                         num_computed_tokens)  # fmt: skip
     end = len(tokens) - VLLM_TAIL if plan.end is None else plan.end
     return end - num_computed_tokens
 
 
-def blend_end(num_tokens: int, loads: list[SegmentRef], ratio: float, whole: bool) -> int | None:
+def blend_end(num_tokens: int, loads: list[SegmentRef], ratio: float, whole: bool,
+              first: int = 0) -> int | None:  # fmt: skip
     """Where the blend of a prompt of ``num_tokens`` that loads ``loads`` stops: the end of its
-    last loaded segment, or None for the whole prompt.
+    last loaded segment, or None for the whole prompt (``first``: tokens vLLM's prefix cache
+    already holds, which the blend reads and never computes).
 
-    Tokens after the last loaded segment reuse nothing: the blend would recompute every one of
-    them, and vLLM's own forward computes them faster (its fused kernels, no per-layer
-    selection) over the blended KV — a reader whose only hit is a short system prompt then costs
-    what stock's prefill does. The blend covers the whole prompt when ``ratio`` is 1.0 (its rows
-    in one batch are bit-equal to stock's full prefill; vLLM's continuation rows round apart)
-    and when ``whole`` says so: a request that keeps its turn (the record is read right after the
-    load's forward, which must then have computed every prompt token). Under load vLLM may
-    prefill the rest in chunks over later steps: the load step's blocks then end before the
-    prompt does (`LoadRequest.slots`), and a cascade plan takes the rest's at its first decode
-    step (`DecodePlan.complete`)."""
+    The tokens after the last loaded segment reuse nothing. Either the blend computes them in
+    its own batch, or vLLM's forward does, over the blended KV. That forward reads every weight
+    of the model once and runs every layer's ops for a handful of rows: a fixed cost (on a
+    2-core CPU 25–35 ms of SmolLM2-135M's follow-up TTFT) the blend, already running each layer
+    for its own rows, does not pay again — and with the whole prompt blended, the step holds
+    only the blend's tail rows and that forward is skipped (`tails.Tails`). So the blend takes
+    them whenever they at most double what it computes anyway (the tokens before the segment's
+    end that are not loaded, plus the share ``ratio`` of the loaded ones): the rows cost the same
+    per token in either batch, the fixed cost is saved. A long private tail after a short hit (a
+    reader whose only reuse is its system prompt) stays on vLLM's forward, whose fused kernels
+    under ``torch.compile`` are faster per token than the modules the blend calls one by one.
+
+    The blend covers the whole prompt also when ``ratio`` is 1.0 (its rows in one batch are
+    bit-equal to stock's full prefill; vLLM's continuation rows round apart) and when ``whole``
+    says so: a request that keeps its turn (the record is read right after the load's forward,
+    which must then have computed every prompt token). Under load vLLM may prefill the rest in
+    chunks over later steps: the load step's blocks then end before the prompt does
+    (`LoadRequest.slots`), and a cascade plan takes the rest's at its first decode step
+    (`DecodePlan.complete`)."""
     last = max(ref.end for ref in loads)
     if ratio >= 1.0 or whole or last >= num_tokens - VLLM_TAIL:
         return None
-    return last
+    loaded = sum(max(0, ref.end - max(ref.start, first)) for ref in loads)
+    own = max(0, last - first) - loaded + math.ceil(ratio * loaded)
+    return None if num_tokens - last <= own else last

@@ -112,7 +112,8 @@ def blend_request(load: LoadRequest, masters: Masters,
             masters[segment_id] = Master(master.kv[:, :, cut:], master.positions[cut:])
         uses.append(SegmentUse(start, ref.end, segment_id))
     tokens = torch.tensor(load.token_ids[: load.blend_len])
-    return BlendRequest(tokens, tuple(uses), exact_prefix=first, output=load.end is None)
+    whole = load.end is None  # vLLM's sampler reads the final state: no logits here
+    return BlendRequest(tokens, tuple(uses), exact_prefix=first, output=whole, logits=False)
 
 
 def blend_groups(model: LayerwiseModel, ready: list[tuple[LoadRequest, BlendRequest]],

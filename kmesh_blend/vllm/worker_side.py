@@ -63,12 +63,14 @@ log = logging.getLogger("vllm.kmesh_blend")  # under vLLM's handlers and format
 class WorkerSide:
     """``model``: the ``nn.Module`` vLLM loaded (None when it could not be reached);
     ``layers``: the attention layers by name; ``shard``: (tensor-parallel rank, size);
-    ``batch_ids``: the step's request ids in batch order (`seam.runners.batch_order`)."""
+    ``batch_ids``: the step's request ids in batch order (`seam.runners.batch_order`);
+    ``skip_tail_forward``: a forward of prompt tails alone may be skipped (`Tails`)."""
 
     def __init__(self, config: KMeshConfig, model: torch.nn.Module | None,
                  hf_config: PretrainedConfig, dtype: torch.dtype, block_size: int,
                  layers: dict[str, AttnLayer], shard: tuple[int, int] = (0, 1),
-                 batch_ids: BatchOrder | None = None) -> None:  # fmt: skip
+                 batch_ids: BatchOrder | None = None,
+                 skip_tail_forward: bool = False) -> None:  # fmt: skip
         self.config, self.block_size, self.batch_ids = config, block_size, batch_ids
         self.world_size = shard[1]
         self.hooks = WorkerHooks()
@@ -100,7 +102,8 @@ class WorkerSide:
         self.failed_reqs: set[str] = set()  # requests that recompute: this step's, until output
         self.out = KMeshWorkerMetadata()
         # The blend's results for the tokens vLLM computes itself (kmesh_blend/vllm/tails.py).
-        self.tails = Tails(model if self.unsupported is None else None, self._failed)
+        tail_model = model if self.unsupported is None else None
+        self.tails = Tails(tail_model, self._failed, skip_tail_forward and self.world_size == 1)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.model is None:
@@ -235,15 +238,14 @@ class WorkerSide:
                     self.paged.write_layers(self.kv_caches, result.keys, result.values, rows,
                                             load.first)  # fmt: skip
                 if load.tail:
-                    final = self.model.final_norm(result.last_state)[0]
+                    finals = self.model.final_norm(result.last_state[-load.tail :])
                     self.tails.keep(load.req_id, slots[n - load.tail : n], n - load.tail,
-                                    result.keys, result.values, final)  # fmt: skip
+                                    result.keys, result.values, finals)  # fmt: skip
                 report = self.out.reports.setdefault(load.req_id, {})
                 report.update(result.report_fields())  # type: ignore[typeddict-item]
                 self._decode_plan(load, masters, report)
         except Exception as exc:  # never serve doubtful KV: the whole group recomputes
-            # The traceback as text: a record holding the exception would keep the engine's
-            # frames (and the engine) alive for as long as a log handler keeps the record.
+            # As text: a log record holding the exception would keep the engine's frames alive.
             log.warning("kmesh: blend failed; %d requests recompute\n%s", len(ready),
                         traceback.format_exc())  # fmt: skip
             for load, _ in ready:
@@ -293,8 +295,5 @@ class WorkerSide:
             self.cascade.drop(load.req_id)
         self.failed_blocks.update(load.block_ids)
         self.failed_reqs.add(load.req_id)
-        self.out.reports[load.req_id] = {
-            "reused_tokens": 0,
-            "recomputed_tokens": 0,
-            "fallback": f"load error: {reason}",
-        }
+        fields: Report = {"reused_tokens": 0, "recomputed_tokens": 0}
+        self.out.reports[load.req_id] = {**fields, "fallback": f"load error: {reason}"}

@@ -305,9 +305,11 @@ def test_through_the_openai_server(tmp_path: Path) -> None:
 
 def test_an_engine_s_cascade_path_and_kv_cache_go_with_the_engine() -> None:
     """The path holds the engine's KV cache; once the engine is gone nothing may keep it (a
-    process-wide reference to the model used to keep every earlier engine's cache alive)."""
+    process-wide reference to the model used to keep every earlier engine's cache alive; so did
+    vLLM's cache of inspected callables, holding the model's forward stand-in: `Tails`)."""
     from kmesh_blend.vllm.cascade_decode import CascadeDecode
+    from kmesh_blend.vllm.worker_side import WorkerSide
 
     _serve(build_checkpoint(TINY_LLAMA), "float32", "tiny", 300, cascade_decode=True)
     gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, CascadeDecode)]
+    assert not [o for o in gc.get_objects() if isinstance(o, (CascadeDecode, WorkerSide))]

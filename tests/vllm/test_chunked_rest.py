@@ -5,7 +5,9 @@ steps, and the load step's blocks end before the prompt does. The blend then wri
 those blocks hold, and a cascade plan takes the rest's blocks at its first decode step
 (`DecodePlan.complete`). Before that, the load indexed past its blocks and the engine died (the
 serving benchmark's cascade server at 0.9 requests/s). Tiny Llama, fp32, block size 32, a
-32-token step budget: a 60-token question is split over two steps and crosses a block boundary.
+32-token step budget: a 100-token question (longer than what the blend computes before it, so
+the blend leaves it to vLLM: `scheduler_reuse.blend_end`) is split over four steps and crosses
+block boundaries.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kmesh_blend.vllm.meta import LoadRequest
 
 pytestmark = pytest.mark.vllm
 
-DOC, QUESTION, FOLLOW_UPS, TOKENS, BLOCK = 416, 60, 3, 6, 32
+DOC, QUESTION, FOLLOW_UPS, TOKENS, BLOCK = 416, 100, 3, 6, 32
 
 
 def _prompts() -> list[tuple[list[int], list[list[int]]]]:

@@ -8,6 +8,7 @@ import pytest
 
 import kmesh_blend.vllm.scheduler_reuse as scheduler_reuse
 from kmesh_blend.blend import keep_count
+from kmesh_blend.vllm.meta import SegmentRef
 from tests.vllm.family import DOC_LEN, NUM_FOLLOW_UPS, prompts, run_family, run_stock
 
 pytestmark = pytest.mark.vllm
@@ -42,9 +43,9 @@ def test_follow_ups_reuse_the_document() -> None:
 def test_a_blend_that_stops_after_the_segment_answers_like_one_over_the_whole_prompt(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Below ratio 1.0 the blend stops at the document's end and vLLM's forward computes the
-    question over the blended KV; blending the whole prompt instead gives the same tokens and
-    recomputes the same document tokens (the selection sees only what precedes each token)."""
+    """A blend that stops at the document's end (vLLM's forward computes the question over the
+    blended KV) gives the same tokens, and recomputes the same document tokens, as one over the
+    whole prompt (the selection sees only what precedes each token)."""
     stop, ends = scheduler_reuse.blend_end, []
 
     def spy(*args: Any) -> int | None:
@@ -52,11 +53,12 @@ def test_a_blend_that_stops_after_the_segment_answers_like_one_over_the_whole_pr
         return ends[-1]
 
     monkeypatch.setattr(scheduler_reuse, "blend_end", spy)
-    stopped = run_family(store="cpu", recompute_ratio=0.15)
-    _, spans = prompts()[1]
-    assert ends and ends[0] == spans[0][1]  # the blend stopped at the document's end
-    monkeypatch.setattr(scheduler_reuse, "blend_end", lambda *args: None)
     whole = run_family(store="cpu", recompute_ratio=0.15)
+    assert ends and all(end is None for end in ends)  # a short question: the blend takes it
+    monkeypatch.setattr(
+        scheduler_reuse, "blend_end", lambda n, loads, *a: max(r.end for r in loads)
+    )
+    stopped = run_family(store="cpu", recompute_ratio=0.15)
     assert [t for t, _ in whole] == [t for t, _ in stopped]
     pairs = zip(whole[1 : NUM_FOLLOW_UPS + 1], stopped[1 : NUM_FOLLOW_UPS + 1], strict=True)
     for (_, a), (_, b) in pairs:
@@ -64,6 +66,23 @@ def test_a_blend_that_stops_after_the_segment_answers_like_one_over_the_whole_pr
         assert a["fallback"] is None and b["fallback"] is None
         assert (a["reused_tokens"], a["recomputed_tokens"]) == (
             b["reused_tokens"], b["recomputed_tokens"])  # fmt: skip
+
+
+def test_the_blend_takes_a_tail_after_its_last_segment_up_to_its_own_size() -> None:
+    """`blend_end`: the whole prompt (None) when the tail after the last loaded segment is no
+    longer than what the blend computes anyway; the segment's end otherwise."""
+    end = scheduler_reuse.blend_end
+    doc = [SegmentRef(20, 420, "doc")]  # type: ignore[arg-type]
+    # before it 20 private tokens; at ratio 0.15 it recomputes 60 of the 400: it computes 80
+    assert end(500, doc, 0.15, False) is None  # 80 after it
+    assert end(501, doc, 0.15, False) == 420  # 81 after it
+    assert end(440, doc, 0.0, False) is None and end(441, doc, 0.0, False) == 420  # 20 own
+    assert end(2000, doc, 1.0, False) is None and end(2000, doc, 0.0, True) is None
+    assert end(421, doc, 0.0, False) is None  # within vLLM's last tokens: always the blend's
+    # an exact prefix of 10 tokens: 10 private tokens of its own before the document
+    assert end(430, doc, 0.0, False, 10) is None and end(431, doc, 0.0, False, 10) == 420
+    two = [SegmentRef(0, 100, "a"), SegmentRef(110, 300, "b")]  # type: ignore[arg-type]
+    assert end(310, two, 0.0, False) is None and end(311, two, 0.0, False) == 300  # a gap of 10
 
 
 def test_outputs_identical_across_stores_and_schedules(lm_server: str) -> None:

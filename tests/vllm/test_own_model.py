@@ -68,9 +68,23 @@ def _with_engine(path: Path | str, dtype: str, fn: Callable[[Any], T], **kmesh: 
 
 def _family_runs(path: Path | str, dtype: str, **kmesh: Any) -> tuple[list[Result], list[Result]]:
     """(stock, kmesh) on the family prompts: a first reader, then the follow-ups."""
+    stock, kmesh_runs, _ = _family_runs_skips(path, dtype, **kmesh)
+    return stock, kmesh_runs
+
+
+def _family_runs_skips(path: Path | str, dtype: str,
+                       **kmesh: Any) -> tuple[list[Result], list[Result], int]:  # fmt: skip
+    """`_family_runs` and how many of the KMesh engine's forwards were skipped (`Tails`)."""
+    from kmesh_blend.vllm.seam.engine import worker_connector
+
+    def run(llm: Any) -> tuple[list[Result], int]:
+        results = _run(llm, family)
+        connector: Any = worker_connector()
+        return results, connector.worker.tails.skipped
+
     family = prompts()
     stock = _with_engine(path, dtype, lambda llm: _run(llm, [(ids, None) for ids, _ in family]))
-    return stock, _with_engine(path, dtype, lambda llm: _run(llm, family), store="cpu", **kmesh)
+    return stock, *_with_engine(path, dtype, run, store="cpu", **kmesh)
 
 
 MODELS = {"tiny": lambda: build_checkpoint(TINY_LLAMA), "smollm2": smollm2_checkpoint}
@@ -79,10 +93,13 @@ MODELS = {"tiny": lambda: build_checkpoint(TINY_LLAMA), "smollm2": smollm2_check
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_ratio_one_equals_stock_vllm(model: str, dtype: str) -> None:
-    stock, kmesh = _family_runs(MODELS[model](), dtype, recompute_ratio=1.0)
+    stock, kmesh, skipped = _family_runs_skips(MODELS[model](), dtype, recompute_ratio=1.0)
     for (s_tokens, s_lp, _), (k_tokens, k_lp, _) in zip(stock, kmesh, strict=True):
         assert k_tokens == s_tokens
         assert k_lp == s_lp  # every bit, the first token's too (kmesh_blend/vllm/tails.py)
+    # Each follow-up's prompt tail was a step of its own: vLLM's forward of it did not run, the
+    # blend's states and KV stood in for it, and the bits above are still stock's.
+    assert skipped == len(kmesh) - 1
     assert all(r is not None and r["reused_tokens"] == DOC_LEN for *_, r in kmesh[1:])
     assert all(r is not None and r["recomputed_tokens"] == DOC_LEN for *_, r in kmesh[1:])
 

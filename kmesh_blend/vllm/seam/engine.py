@@ -2,7 +2,8 @@
 
 - `step_slots`: the paged-cache slot of every token of the current forward (forward context);
 - `hook_model_output`: a forward hook on the loaded model (the prompt tail's final hidden state
-  is placed into its output before vLLM's sampler reads it);
+  is placed into its output before vLLM's sampler reads it), and, where asked, a stand-in for the
+  whole forward of a step whose every token's output is already known;
 - `tp_shard`, `tp_world_size`, `all_reduce`: tensor parallelism;
 - `recompute_failed_loads`: sets ``kv_load_failure_policy = "recompute"``;
 - `attention_layers`, `in_model_order`: the attention layers by name (the static forward
@@ -15,7 +16,9 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -35,6 +38,8 @@ __all__ = [
 ]  # fmt: skip
 
 OutputHook = Callable[[torch.Tensor], None]  # the model's output [T, E], changed in place
+# (number of tokens of the forward) → the forward's whole output [T, E], or None: run it.
+KnownOutput = Callable[[int], "torch.Tensor | None"]
 
 
 def step_slots() -> torch.Tensor | None:
@@ -55,17 +60,58 @@ def step_slots() -> torch.Tensor | None:
     return None
 
 
-def hook_model_output(model: torch.nn.Module, fn: OutputHook) -> Callable[[], None]:
+def hook_model_output(model: torch.nn.Module, fn: OutputHook,
+                      known: KnownOutput | None = None) -> Callable[[], None]:  # fmt: skip
     """Call ``fn(output)`` after every forward of ``model`` whose output is one [T, E] tensor
-    (not a pipeline stage's intermediate tensors); returns the hook's remover."""
+    (not a pipeline stage's intermediate tensors); returns the hook's remover.
+
+    ``known``: asked before every forward with its token count; where it returns the output, the
+    forward (every layer, its KV writes included) does not run and that tensor is its result. The
+    caller then owns everything the forward would have done for those tokens."""
 
     def after(module: torch.nn.Module, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.dim() == 2:
             fn(output)
 
     handle = model.register_forward_hook(after)
-    REPORT.note_changed("model forward", "output hook (the blended prompt tail's hidden state)")
-    return handle.remove
+    what = "output hook (the blended prompt tail's hidden state)"
+    if known is None:
+        REPORT.note_changed("model forward", what)
+        return handle.remove
+    # The stand-in holds neither the model nor ``known``'s owner: vLLM caches callables it
+    # inspects (``supports_kw`` on ``model.forward``) for the life of the process, and a strong
+    # reference from there would keep every engine's model and KV cache alive.
+    model_ref = weakref.ref(model)
+    known_ref = weakref.WeakMethod(known) if inspect.ismethod(known) else lambda: known
+    own = type(model).forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        count, answer, module = _token_count(args, kwargs), known_ref(), model_ref()
+        output = None if count is None or answer is None else answer(count)
+        return own(module, *args, **kwargs) if output is None else output
+
+    # vLLM decides which arguments to pass from the forward's signature: the model's own
+    forward.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]
+    model.forward = forward
+    REPORT.note_changed("model forward", f"{what}; skipped where the blend computed every token")
+
+    def remove() -> None:
+        handle.remove()
+        if model.__dict__.get("forward") is forward:
+            del model.forward
+
+    return remove
+
+
+def _token_count(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """Tokens of a causal LM's forward ``(input_ids, positions, ...)`` (positions may be
+    [3, T] for multimodal rotary embeddings); None when the call has another shape."""
+    for i, name in enumerate(("input_ids", "positions")):
+        value = kwargs.get(name, args[i] if len(args) > i else None)
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            return int(value.shape[-1])
+    embeds = kwargs.get("inputs_embeds")
+    return int(embeds.shape[0]) if isinstance(embeds, torch.Tensor) else None
 
 
 def tp_shard(vllm_config: VllmConfig) -> tuple[int, int]:
