@@ -28,6 +28,7 @@ import torch
 
 from kmesh_blend.blend.plan import SegmentUse
 from kmesh_blend.models.rope import RotaryEmbedding, Rotation, rotate
+from kmesh_blend.ops import shift_rows
 
 __all__ = ["DriftCorrection"]
 
@@ -100,15 +101,14 @@ class DriftCorrection:
             if alphas is None or span.stale == 0 or not span.any_inside:
                 continue
             inside = span.inside.to(dk.device)
-            shift_k = (alphas[0] * dk[inside].mean(0))[None]  # [1, Hkv, D], unrotated
+            shift_k = alphas[0] * dk[inside].mean(0)  # [Hkv, D] fp32, unrotated
             shift_v = alphas[1] * dv[inside].mean(0)
             rows = slice(span.own.first, span.own.last)
             turn = span.own.turn
-            if turn.cos.dtype != layer_k.dtype or turn.cos.device != layer_k.device:
-                turn = span.own.turn = Rotation(*(t.to(layer_k.device, layer_k.dtype)
-                                                  for t in turn))  # fmt: skip
-            layer_k[rows] += rotate(shift_k.to(layer_k.dtype), turn)
-            layer_v[rows] += shift_v.to(layer_v.dtype)
+            if turn.cos.device != layer_k.device:
+                turn = span.own.turn = Rotation(*(t.to(layer_k.device) for t in turn))
+            # rotated to each row's position and added in fp32, rounded once (one pass on CPU)
+            shift_rows(layer_k[rows], layer_v[rows], shift_k, shift_v, *turn)
             self.shifted_rows += span.stale
             self.last_rows += span.stale
 
@@ -156,7 +156,7 @@ class DriftCorrection:
 @dataclass
 class _OwnRange:
     """A segment use (starting at ``start``) and its own rows [first, last); ``turn``: the
-    rotation to their positions (moved to the KV's dtype and device at first use)."""
+    rotation to their positions, fp32 (moved to the KV's device at first use)."""
 
     start: int
     first: int

@@ -3,7 +3,9 @@
 // math and the same roundings as the fp32 torch reference (kmesh_blend.ops.reference:
 // x*C, then + swap(x)*S, each product and the sum rounded to fp32, then to the output's dtype),
 // without its six passes and temporaries per call (≈ 60 µs a call in torch ops for a 192-token
-// segment, 30 layers × every segment of a prompt).
+// segment, 30 layers × every segment of a prompt). And drift correction's shift of a segment's
+// stale rows, in place (`shift_rows`: the keys' shift rotated to each row's position and added,
+// the values' added), the same bits as `shift_rows_reference`.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,7 +55,66 @@ void dispatch_out(const at::Tensor& k, const at::Tensor& c, const at::Tensor& s,
   }
 }
 
+// Drift correction's shift of a segment's stale rows (kmesh_blend.blend.drift), in place.
+template <typename T>
+void shift_rows_impl(at::Tensor& k, at::Tensor& v, const at::Tensor& shift_k,
+                     const at::Tensor& shift_v, const at::Tensor& cos, const at::Tensor& ssin) {
+  const int64_t n = k.size(0), H = k.size(1), D = k.size(2), half = D / 2;
+  auto* kp = k.data_ptr<T>();
+  auto* vp = v.data_ptr<T>();
+  const float* sk = shift_k.data_ptr<float>();
+  const float* sv = shift_v.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = ssin.data_ptr<float>();
+  const auto ks = k.strides(), vs = v.strides();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t h = 0; h < H; ++h) {
+        T* x = kp + i * ks[0] + h * ks[1];
+        T* y = vp + i * vs[0] + h * vs[1];
+        const float* s = sk + h * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float a = s[d] * cp[i * D + d];  // each product and sum rounded on its own
+          const float b = s[d < half ? d + half : d - half] * sp[i * D + d];
+          const float turned = a + b;
+          x[d * ks[2]] = static_cast<T>(static_cast<float>(x[d * ks[2]]) + turned);
+          y[d * vs[2]] = static_cast<T>(static_cast<float>(y[d * vs[2]]) + sv[h * D + d]);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
+
+// k / v: [n, Hkv, D] (in place; float32, bfloat16 or float16 alike; any strides); shift_k /
+// shift_v: [Hkv, D] float32 contiguous, the keys' shift unrotated; cos / signed_sin: [n, D]
+// float32 contiguous, the rotation to each row's position (cos, (−sin, sin)).
+// k[i, h, d] = round(k + (shift_k[h, d]·cos[i, d] + shift_k[h, swap(d)]·signed_sin[i, d]));
+// v[i, h, d] = round(v + shift_v[h, d]).
+void shift_rows(at::Tensor k, at::Tensor v, const at::Tensor& shift_k, const at::Tensor& shift_v,
+                const at::Tensor& cos, const at::Tensor& signed_sin) {
+  check(k.device().is_cpu() && v.device().is_cpu(), "tensors must be on the CPU");
+  check(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [n, Hkv, D] alike");
+  check(k.scalar_type() == v.scalar_type(), "k and v must have one dtype");
+  check(k.size(2) % 2 == 0, "D must be even");
+  for (const auto* t : {&shift_k, &shift_v, &cos, &signed_sin}) {
+    check(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2,
+          "shifts and tables must be contiguous float32 matrices");
+  }
+  check(shift_k.size(0) == k.size(1) && shift_k.size(1) == k.size(2) &&
+            shift_v.sizes() == shift_k.sizes(),
+        "shifts must be [Hkv, D]");
+  check(cos.size(0) == k.size(0) && cos.size(1) == k.size(2) && signed_sin.sizes() == cos.sizes(),
+        "tables must be [n, D]");
+  if (k.numel() == 0) return;
+  switch (k.scalar_type()) {
+    case at::kFloat: return shift_rows_impl<float>(k, v, shift_k, shift_v, cos, signed_sin);
+    case at::kBFloat16: return shift_rows_impl<at::BFloat16>(k, v, shift_k, shift_v, cos, signed_sin);
+    case at::kHalf: return shift_rows_impl<at::Half>(k, v, shift_k, shift_v, cos, signed_sin);
+    default: check(false, "k must be float32, bfloat16 or float16");
+  }
+}
 
 // k: [n, Hkv, D] (float32, bfloat16 or float16; any strides), rotated at old positions;
 // c / s: [n or 1, 1, D] float32 contiguous, the signed tables C = (cos, cos), S = (−sin, sin);
@@ -76,4 +137,7 @@ void reposition(const at::Tensor& k, const at::Tensor& c, const at::Tensor& s, a
   }
 }
 
-TORCH_LIBRARY_FRAGMENT(kmesh_cpu, m) { m.def("reposition", &reposition); }
+TORCH_LIBRARY_FRAGMENT(kmesh_cpu, m) {
+  m.def("reposition", &reposition);
+  m.def("shift_rows", &shift_rows);
+}

@@ -5,7 +5,10 @@ from kmesh_blend.ops.launch import (
     gather_paged,
     reposition_keys,
     scatter_paged,
+    shift_rows,
     token_deviation,
 )
 
-__all__ = ["Backend", "gather_paged", "reposition_keys", "scatter_paged", "token_deviation"]
+__all__ = [
+    "Backend", "gather_paged", "reposition_keys", "scatter_paged", "shift_rows", "token_deviation",
+]  # fmt: skip

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from kmesh_blend.cpu import reposition_op
+from kmesh_blend.cpu import reposition_op, shift_rows_op
 from kmesh_blend.ops import reference, selfcheck  # noqa: F401 (selfcheck registers the checks)
 from kmesh_blend.ops.dispatch import (
     Backend,
@@ -27,7 +27,9 @@ from kmesh_blend.ops.dispatch import (
     use_triton,
 )
 
-__all__ = ["Backend", "gather_paged", "reposition_keys", "scatter_paged", "token_deviation"]
+__all__ = [
+    "Backend", "gather_paged", "reposition_keys", "scatter_paged", "shift_rows", "token_deviation",
+]  # fmt: skip
 
 
 def reposition_keys(
@@ -59,6 +61,30 @@ def reposition_keys(
         op(k, c, s, target)
         return target
     return reference.reposition_reference(k, delta, inv_freq, out)
+
+
+def shift_rows(
+    k: torch.Tensor, v: torch.Tensor, shift_k: torch.Tensor, shift_v: torch.Tensor,
+    cos: torch.Tensor, signed_sin: torch.Tensor,
+) -> None:  # fmt: skip
+    """Drift correction's shift of a segment's stale rows, in place (`shift_rows_reference`):
+    ``k`` / ``v`` [n, Hkv, D], ``shift_k`` / ``shift_v`` [Hkv, D] fp32, ``cos`` /
+    ``signed_sin`` [n, D] fp32. On the CPU `kmesh_blend.cpu`'s one-pass op where this process
+    loaded those kernels (the reference's bits); the torch reference elsewhere."""
+    check_float("k", k, 3)
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"v must match k {tuple(k.shape)} {k.dtype}, got {tuple(v.shape)}")
+    n, heads, dim = k.shape
+    wanted = {"shift_k": (shift_k, (heads, dim)), "shift_v": (shift_v, (heads, dim)),
+              "cos": (cos, (n, dim)), "signed_sin": (signed_sin, (n, dim))}  # fmt: skip
+    for name, (t, shape) in wanted.items():
+        if tuple(t.shape) != shape or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be {list(shape)} fp32, got {tuple(t.shape)} {t.dtype}")
+    if k.device.type == "cpu" and (op := shift_rows_op()) is not None:
+        op(k, v, shift_k.contiguous(), shift_v.contiguous(), cos.contiguous(),
+           signed_sin.contiguous())  # fmt: skip
+        return
+    reference.shift_rows_reference(k, v, shift_k, shift_v, cos, signed_sin)
 
 
 def token_deviation(

@@ -15,6 +15,7 @@ __all__ = [
     "reposition_reference",
     "rope_tables",
     "scatter_paged_reference",
+    "shift_rows_reference",
     "signed_tables",
 ]
 
@@ -107,6 +108,23 @@ def signed_tables(delta: torch.Tensor, inv_freq: torch.Tensor) -> Tables:
     c = torch.cat((cos, cos), dim=-1)[:, None, :]
     s = torch.cat((-sin, sin), dim=-1)[:, None, :]
     return _SIGNED.put(delta, inv_freq, (c, s))
+
+
+@torch.no_grad()
+def shift_rows_reference(
+    k: torch.Tensor, v: torch.Tensor, shift_k: torch.Tensor, shift_v: torch.Tensor,
+    cos: torch.Tensor, signed_sin: torch.Tensor,
+) -> None:  # fmt: skip
+    """Drift correction's shift of stale rows, in place: ``k`` / ``v`` [n, Hkv, D] (one float
+    dtype) get ``shift_k`` [Hkv, D] fp32 (unrotated) rotated to each row's position by ``cos`` /
+    ``signed_sin`` [n, D] fp32 (cos, (−sin, sin)), and ``shift_v`` [Hkv, D] fp32. Each product
+    and sum rounded to fp32 on its own, the result once to ``k``'s dtype."""
+    half = shift_k.shape[-1] // 2
+    swapped = torch.cat((shift_k[:, half:], shift_k[:, :half]), dim=-1)
+    turned = shift_k[None] * cos[:, None, :]
+    turned += swapped[None] * signed_sin[:, None, :]
+    k.copy_(k.float() + turned)
+    v.copy_(v.float() + shift_v[None])
 
 
 @torch.no_grad()

@@ -60,19 +60,24 @@ class Tails:
         self.finals: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.placed = 0  # final hidden states placed into a forward's output (for tests/metrics)
         self.skipped = 0  # forwards not run: their output was the blend's (for tests/metrics)
+        self.written: set[str] = set()  # requests whose rows the blend wrote into the cache
         self._warned = False
         known = self._known if skip_forward else None
         self._remove = hook_model_output(model, self._place, known) if model is not None else None
 
     def keep(
         self, req_id: str, slots: torch.Tensor, first: int, keys: list[torch.Tensor],
-        values: list[torch.Tensor], finals: torch.Tensor | None,
+        values: list[torch.Tensor], finals: torch.Tensor | None, written: bool = False,
     ) -> None:  # fmt: skip
-        """Keep rows ``first..T-1`` of the blend's per-layer ``keys`` / ``values`` ([T, Hkv, D]),
-        at ``slots`` [T − first] int64, and ``finals`` ([m, E], 1 ≤ m ≤ T − first: the final
-        hidden states of the prompt's last m tokens, or None)."""
-        layers = [(k[first:].clone(), v[first:].clone()) for k, v in zip(keys, values, strict=True)]
+        """Keep rows ``first..T-1`` of the blend's per-layer ``keys`` / ``values`` ([T, Hkv, D],
+        not changed after the blend: views are kept until this step's `write_back`), at ``slots``
+        [T − first] int64, and ``finals`` ([m, E], 1 ≤ m ≤ T − first: the final hidden states of
+        the prompt's last m tokens, or None). ``written``: the blend already wrote these rows
+        into the paged cache (then only a forward that ran needs them written back)."""
+        layers = [(k[first:], v[first:]) for k, v in zip(keys, values, strict=True)]
         self.rows[req_id] = (slots, layers)
+        if written:
+            self.written.add(req_id)
         if finals is not None:
             m = finals.shape[0]
             if not 1 <= m <= slots.numel():
@@ -83,6 +88,7 @@ class Tails:
         """After the forward: the kept KV rows into the paged cache (over vLLM's own)."""
         rows, self.rows = self.rows, {}
         self.finals.clear()  # a forward that did not place them has passed
+        self.written.clear()
         for req_id, (slots, layers) in rows.items():
             if self.failed(req_id):
                 continue
@@ -129,6 +135,9 @@ class Tails:
         if order is None:
             return None
         states = torch.cat([f for _, f in self.finals.values()])
+        for req_id in self.finals:  # no forward wrote over what the blend wrote
+            if req_id in self.written:
+                del self.rows[req_id]
         self.finals = {}
         self.skipped += 1
         return states[order.to(states.device)]

@@ -239,8 +239,9 @@ class WorkerSide:
                                             load.first)  # fmt: skip
                 if load.tail:
                     finals = self.model.final_norm(result.last_state[-load.tail :])
+                    written = hook is not None  # vLLM's kernel path wrote every row already
                     self.tails.keep(load.req_id, slots[n - load.tail : n], n - load.tail,
-                                    result.keys, result.values, finals)  # fmt: skip
+                                    result.keys, result.values, finals, written)  # fmt: skip
                 report = self.out.reports.setdefault(load.req_id, {})
                 report.update(result.report_fields())  # type: ignore[typeddict-item]
                 self._decode_plan(load, masters, report)

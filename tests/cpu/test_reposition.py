@@ -1,7 +1,8 @@
 """Stored keys moved to new positions in one pass (`kmesh_blend/cpu/reposition.cpp`) against the
 fp32 torch reference (`reposition_reference`): the same bits in every dtype pair, with one shift
 per row or one for all, into a strided slice of a larger frame; `reposition_keys` takes it on the
-CPU once the kernels are loaded; bad arguments are refused by name."""
+CPU once the kernels are loaded; bad arguments are refused by name. The same for drift
+correction's in-place shift of stale rows (`shift_rows` against `shift_rows_reference`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
-from kmesh_blend.ops import reference, reposition_keys
+from kmesh_blend.ops import reference, reposition_keys, shift_rows
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -84,3 +85,46 @@ def test_bad_arguments_are_refused_by_name(kernel: Any, change: Any, message: st
     c, s = reference.signed_tables(delta, inv_freq)
     with pytest.raises(RuntimeError, match=message):
         torch.ops.kmesh_cpu.reposition(*change(k, c, s, torch.empty_like(k)))
+
+
+def _shift_inputs(n: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(n * dim)
+    k = (torch.randn(n, 3, dim, generator=gen) * 3).to(dtype)
+    v = (torch.randn(n, 3, dim, generator=gen) * 3).to(dtype)
+    shift_k, shift_v = torch.randn(3, dim, generator=gen), torch.randn(3, dim, generator=gen)
+    rotation = RotaryEmbedding(RopeConfig(head_dim=dim)).tables(torch.arange(n) + 40, torch.float32)
+    return k, v, shift_k, shift_v, rotation.cos, rotation.signed_sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shift_rows_gives_the_references_bits_in_place(kernel: Any, dtype: torch.dtype) -> None:
+    for n, dim in ((1, 64), (300, 64), (70, 128), (9, 48)):
+        k, v, *rest = _shift_inputs(n, dim, dtype)
+        want_k, want_v = k.clone(), v.clone()
+        reference.shift_rows_reference(want_k, want_v, *rest)
+        frame_k = torch.full((n + 6, 3, dim), float("nan"), dtype=dtype)
+        frame_v = frame_k.clone()
+        frame_k[4 : 4 + n], frame_v[4 : 4 + n] = k, v
+        torch.ops.kmesh_cpu.shift_rows(frame_k[4 : 4 + n], frame_v[4 : 4 + n], *rest)
+        assert torch.equal(_bits(frame_k[4 : 4 + n]), _bits(want_k))
+        assert torch.equal(_bits(frame_v[4 : 4 + n]), _bits(want_v))
+        assert frame_k[:4].isnan().all() and frame_v[4 + n :].isnan().all()  # nothing else
+        assert not torch.equal(want_k, k)  # it did shift
+
+
+def test_the_launcher_shifts_with_the_op(kernel: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    k, v, *rest = _shift_inputs(50, 64, torch.bfloat16)
+    want_k, want_v = k.clone(), v.clone()
+    reference.shift_rows_reference(want_k, want_v, *rest)
+
+    def not_here(*args: Any) -> None:
+        raise AssertionError("the torch reference ran instead of the CPU op")
+
+    monkeypatch.setattr(reference, "shift_rows_reference", not_here)
+    shift_rows(k, v, *rest)
+    assert torch.equal(_bits(k), _bits(want_k)) and torch.equal(_bits(v), _bits(want_v))
+    with pytest.raises(ValueError, match="signed_sin must be"):
+        shift_rows(k, v, rest[0], rest[1], rest[2], rest[3][:-1])
+    with pytest.raises(RuntimeError, match="shifts must be"):
+        torch.ops.kmesh_cpu.shift_rows(k, v, rest[0][:2].contiguous(), rest[1][:2].contiguous(),
+                                       rest[2], rest[3])  # fmt: skip

@@ -33,10 +33,11 @@ def _run(model: _Model, num_tokens: int) -> torch.Tensor:
     return out
 
 
-def _kept(tails: Tails, req_id: str, block: int, final: torch.Tensor) -> None:
+def _kept(tails: Tails, req_id: str, block: int, final: torch.Tensor,
+          written: bool = False) -> None:  # fmt: skip
     """``final``: [m, 4], the states of the last m of the tail's 2 tokens."""
     k = torch.zeros(6, 1, 2)  # [T, Hkv, D]; rows 4..5 are the tail
-    tails.keep(req_id, slot_mapping([block], 16, 4, 6), 4, [k], [k.clone()], final)
+    tails.keep(req_id, slot_mapping([block], 16, 4, 6), 4, [k], [k.clone()], final, written)
 
 
 def test_final_hidden_state_replaces_only_its_own_row(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,7 +92,7 @@ def _two_tails(tails: Tails) -> torch.Tensor:
     forward's output the skip must give for the step order [b's 2 rows, a's 2 rows]."""
     states_a = torch.tensor([[1.0] * 4, [3.0] * 4])
     states_b = torch.tensor([[5.0] * 4, [7.0] * 4])
-    _kept(tails, "a", 3, states_a)
+    _kept(tails, "a", 3, states_a, written=True)  # the blend wrote a's rows into the cache
     _kept(tails, "b", 7, states_b)
     return torch.cat([states_b, states_a])
 
@@ -104,6 +105,7 @@ def test_a_forward_of_kept_tails_only_is_not_run(monkeypatch: pytest.MonkeyPatch
     want = _two_tails(tails)
     assert torch.equal(_run(model, 4), want)  # each row its own slot's state, in step order
     assert (model.calls, tails.skipped, tails.placed) == (0, 1, 0)
+    assert list(tails.rows) == ["b"]  # a's rows stand in the cache: no forward wrote over them
     assert torch.equal(_run(model, 4), torch.full((4, 4), 2.0))  # consumed: the next one runs
     assert model.calls == 1
     tails.close()
