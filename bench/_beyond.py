@@ -10,6 +10,7 @@ import torch
 from kmesh_blend.blend import BlendOptions, BlendRequest, RequestBlend
 from kmesh_blend.blend.drift import DriftCorrection
 from kmesh_blend.blend.plan import check_ratios, keep_count
+from kmesh_blend.models.rope import rotate
 
 FIXED_ALPHA = 0.3
 POSITION_BIN = 16
@@ -66,7 +67,9 @@ class CalibratedMap(DriftCorrection):
     def calibrate(self, computed: Any, fresh_k: Any, fresh_v: Any, stored_k: Any, stored_v: Any,
                   keep: Any) -> None:  # fmt: skip
         if self.feat is None:
-            dk, dv = self._deltas(computed, fresh_k, fresh_v, stored_k, stored_v)
+            back = self._back_for(computed, fresh_k.device)  # fresh − stored, keys unrotated
+            dk = rotate(fresh_k.float() - stored_k.float(), back)
+            dv = fresh_v.float() - stored_v.float()
             heads, dim = dk.shape[1], dk.shape[2]
             self.feat = torch.zeros(self.own.numel(), heads, 2 * dim)
             self.feat[computed] = torch.cat([dk, dv], -1)

@@ -161,7 +161,7 @@ def removed_shares(data: list[list[dict[str, Any]]]) -> dict[str, list[float]]:
                     check = f["check"][kv]
                     target = y[stale]
                     add("oracle segment mean", kv, target, target.mean(0))
-                    alpha = _share(check[kept], check[stale])
+                    alpha = _share(check[kept].mean(0), check[stale].mean(0))
                     add("drift share", kv, target, alpha * y[kept].mean(0))
                     # the other tasks' mean deviation: a shift per layer and head of the model
                     means = [others[(layer, kv, h)] for h in range(heads)]

@@ -27,8 +27,8 @@ from typing import NamedTuple
 import torch
 
 from kmesh_blend.blend.plan import SegmentUse
-from kmesh_blend.models.rope import RotaryEmbedding, Rotation, rotate
-from kmesh_blend.ops import shift_rows
+from kmesh_blend.models.rope import RotaryEmbedding, Rotation
+from kmesh_blend.ops import drift_means, shift_rows
 
 __all__ = ["DriftCorrection"]
 
@@ -71,13 +71,16 @@ class DriftCorrection:
         the stored rows of the same tokens [n, Hkv, D], re-positioned; ``keep``: [n'] int64
         indices into ``computed`` that stay computed.
         """
-        dk, dv = self._deltas(computed, fresh_k, fresh_v, stored_k, stored_v)
+        back = self._back_for(computed, fresh_k.device)
         kept = torch.zeros(computed.numel(), dtype=torch.bool)
         kept[keep] = True
+        rows = (fresh_k, stored_k, fresh_v, stored_v, *back)
         for span in self._spans:
-            a, b = (span.inside & kept).to(dk.device), (span.inside & ~kept).to(dk.device)
-            if bool(a.any()) and bool(b.any()):
-                self.alphas[span.own.start] = (_share(dk[a], dk[b]), _share(dv[a], dv[b]))
+            a, b = (span.inside & kept).nonzero(), (span.inside & ~kept).nonzero()
+            if a.numel() and b.numel():
+                mk_a, mv_a = drift_means(*rows, a.squeeze(1).to(fresh_k.device))
+                mk_b, mv_b = drift_means(*rows, b.squeeze(1).to(fresh_k.device))
+                self.alphas[span.own.start] = (_share(mk_a, mk_b), _share(mv_a, mv_b))
 
     @torch.no_grad()
     def apply(
@@ -95,14 +98,15 @@ class DriftCorrection:
         self.last_rows = 0
         if not self.alphas:
             return
-        dk, dv = self._deltas(computed, fresh_k, fresh_v, stored_k, stored_v)
+        back = self._back_for(computed, fresh_k.device)
         for span in self._spans:
             alphas = self.alphas.get(span.own.start)
             if alphas is None or span.stale == 0 or not span.any_inside:
                 continue
-            inside = span.inside.to(dk.device)
-            shift_k = alphas[0] * dk[inside].mean(0)  # [Hkv, D] fp32, unrotated
-            shift_v = alphas[1] * dv[inside].mean(0)
+            inside = span.rows.to(fresh_k.device)
+            mean_k, mean_v = drift_means(fresh_k, stored_k, fresh_v, stored_v, *back, inside)
+            shift_k = alphas[0] * mean_k  # [Hkv, D] fp32, unrotated
+            shift_v = alphas[1] * mean_v
             rows = slice(span.own.first, span.own.last)
             turn = span.own.turn
             if turn.cos.device != layer_k.device:
@@ -112,19 +116,16 @@ class DriftCorrection:
             self.shifted_rows += span.stale
             self.last_rows += span.stale
 
-    def _deltas(
-        self, computed: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
-        stored_k: torch.Tensor, stored_v: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """fresh − stored, [n, Hkv, D] fp32: keys turned back to position 0 (unrotated)."""
+    def _back_for(self, computed: torch.Tensor, device: torch.device) -> Rotation:
+        """The rotation of the computed rows back to position 0 ([n, D] fp32 tables); the plan
+        for this computed set made first."""
         if computed is not self._plan_for:
             self._plan(computed)
         back = self._back
         assert back is not None
-        if back.cos.device != fresh_k.device:  # the model's device (CUDA); positions stay on CPU
-            back = self._back = Rotation(*(t.to(fresh_k.device) for t in back))
-        dk = rotate(fresh_k.float() - stored_k.float(), back)
-        return dk, fresh_v.float() - stored_v.float()
+        if back.cos.device != device:  # the model's device (CUDA); positions stay on CPU
+            back = self._back = Rotation(*(t.to(device) for t in back))
+        return back
 
     def _plan(self, computed: torch.Tensor) -> None:
         if self._ranges is None:
@@ -136,7 +137,8 @@ class DriftCorrection:
         for own in self._ranges:
             inside = own_computed & (computed >= own.first) & (computed < own.last)
             stale = own.last - own.first - int(inside.sum())
-            self._spans.append(_SpanPlan(own, inside, bool(inside.any()), stale))
+            rows = inside.nonzero().squeeze(1)
+            self._spans.append(_SpanPlan(own, inside, rows, bool(rows.numel()), stale))
 
     def _own_ranges(self) -> list[_OwnRange]:
         out = []
@@ -170,13 +172,13 @@ class _SpanPlan(NamedTuple):
 
     own: _OwnRange
     inside: torch.Tensor
+    rows: torch.Tensor  # [m] int64: where ``inside`` is True
     any_inside: bool
     stale: int
 
 
-def _share(kept: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
-    """[Hkv, 1] fp32 in [0, 1]: the projection of the dropped rows' mean shift on the kept rows'
-    (``kept`` [a, Hkv, D], ``dropped`` [b, Hkv, D])."""
-    m_kept, m_dropped = kept.mean(0), dropped.mean(0)
+def _share(m_kept: torch.Tensor, m_dropped: torch.Tensor) -> torch.Tensor:
+    """[Hkv, 1] fp32 in [0, 1]: the projection of the dropped rows' mean shift ``m_dropped`` on
+    the kept rows' ``m_kept`` (each [Hkv, D] fp32)."""
     norm = m_kept.pow(2).sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
     return ((m_kept * m_dropped).sum(-1) / norm).clamp(0.0, 1.0)[:, None]

@@ -2,7 +2,8 @@
 `verify_rows_op` (arming a cascade reader: its rows against a master, `verify_rows.cpp`),
 `fill_own_op` (a reader's own rows from the paged cache into the kernel's tiles, `fill_own.cpp`),
 `reposition_op` (stored keys moved to new positions in one pass, `reposition.cpp`),
-`shift_rows_op` (drift correction's shift of stale rows, in place, the same file).
+`shift_rows_op` / `drift_means_op` (drift correction's shift of stale rows in place, and its
+estimate; the same file).
 
 A family's decode attention on this CPU is bound by arithmetic (vLLM's fused CPU kernel reaches
 ≈ 31 GFLOP/s on it), and cascade does the same arithmetic as per-request attention; what it
@@ -27,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "cascade_decode_op", "cpu_flags", "cpu_kernel_expected", "fill_own_op", "reposition_op",
-    "shift_rows_op", "verify_rows_op",
+    "cascade_decode_op", "cpu_flags", "cpu_kernel_expected", "drift_means_op", "fill_own_op",
+    "reposition_op", "shift_rows_op", "verify_rows_op",
 ]  # fmt: skip
 
 log = logging.getLogger("kmesh_blend.cpu")
@@ -119,6 +120,15 @@ def shift_rows_op() -> Callable[..., Any] | None:
     import torch
 
     return torch.ops.kmesh_cpu.shift_rows if _loaded is not None and _loaded[0] else None
+
+
+def drift_means_op() -> Callable[..., Any] | None:
+    """``torch.ops.kmesh_cpu.drift_means`` (`reposition.cpp`: drift correction's estimate in one
+    pass, within 1e-6 of `drift_means_reference`) once this process loaded the kernels, else
+    None (never builds, as `verify_rows_op`)."""
+    import torch
+
+    return torch.ops.kmesh_cpu.drift_means if _loaded is not None and _loaded[0] else None
 
 
 def _load() -> tuple[Callable[..., Any] | None, str | None]:

@@ -2,6 +2,7 @@
 
 from kmesh_blend.ops.launch import (
     Backend,
+    drift_means,
     gather_paged,
     reposition_keys,
     scatter_paged,
@@ -10,5 +11,6 @@ from kmesh_blend.ops.launch import (
 )
 
 __all__ = [
-    "Backend", "gather_paged", "reposition_keys", "scatter_paged", "shift_rows", "token_deviation",
+    "Backend", "drift_means", "gather_paged", "reposition_keys", "scatter_paged", "shift_rows",
+    "token_deviation",
 ]  # fmt: skip

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from kmesh_blend.cpu import reposition_op, shift_rows_op
+from kmesh_blend.cpu import drift_means_op, reposition_op, shift_rows_op
 from kmesh_blend.ops import reference, selfcheck  # noqa: F401 (selfcheck registers the checks)
 from kmesh_blend.ops.dispatch import (
     Backend,
@@ -28,7 +28,8 @@ from kmesh_blend.ops.dispatch import (
 )
 
 __all__ = [
-    "Backend", "gather_paged", "reposition_keys", "scatter_paged", "shift_rows", "token_deviation",
+    "Backend", "drift_means", "gather_paged", "reposition_keys", "scatter_paged", "shift_rows",
+    "token_deviation",
 ]  # fmt: skip
 
 
@@ -85,6 +86,27 @@ def shift_rows(
            signed_sin.contiguous())  # fmt: skip
         return
     reference.shift_rows_reference(k, v, shift_k, shift_v, cos, signed_sin)
+
+
+def drift_means(
+    fresh_k: torch.Tensor, stored_k: torch.Tensor, fresh_v: torch.Tensor, stored_v: torch.Tensor,
+    cos: torch.Tensor, signed_sin: torch.Tensor, rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Drift correction's estimate (`drift_means_reference`): [n, Hkv, D] fresh / stored rows,
+    [n, D] fp32 tables turning keys back to position 0, ``rows`` [m ≥ 1] int64 → the mean drift
+    of those rows, (keys, values) each [Hkv, D] fp32. On the CPU one pass where `kmesh_blend.cpu`
+    loaded (summed in double: within 1e-6 of the reference, not its bits)."""
+    check_float("fresh_k", fresh_k, 3)
+    if rows.dim() != 1 or rows.numel() == 0 or rows.dtype != torch.int64:
+        raise ValueError(
+            f"rows must be a non-empty [m] int64, got {tuple(rows.shape)} {rows.dtype}"
+        )
+    if fresh_k.device.type == "cpu" and (op := drift_means_op()) is not None:
+        mean_k, mean_v = op(fresh_k, stored_k, fresh_v, stored_v, cos.contiguous(),
+                            signed_sin.contiguous(), rows.contiguous())  # fmt: skip
+        return mean_k, mean_v
+    return reference.drift_means_reference(fresh_k, stored_k, fresh_v, stored_v, cos, signed_sin,
+                                           rows)  # fmt: skip
 
 
 def token_deviation(

@@ -11,6 +11,7 @@ import torch
 
 __all__ = [
     "deviation_reference",
+    "drift_means_reference",
     "gather_paged_reference",
     "reposition_reference",
     "rope_tables",
@@ -125,6 +126,22 @@ def shift_rows_reference(
     turned += swapped[None] * signed_sin[:, None, :]
     k.copy_(k.float() + turned)
     v.copy_(v.float() + shift_v[None])
+
+
+@torch.no_grad()
+def drift_means_reference(
+    fresh_k: torch.Tensor, stored_k: torch.Tensor, fresh_v: torch.Tensor, stored_v: torch.Tensor,
+    cos: torch.Tensor, signed_sin: torch.Tensor, rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Drift correction's estimate: the mean over ``rows`` [m] int64 of fresh − stored
+    ([n, Hkv, D] each), keys turned back to position 0 by ``cos`` / ``signed_sin`` [n, D] fp32
+    (cos, (−sin, sin)) → (mean_k, mean_v), each [Hkv, D] fp32."""
+    dk = fresh_k[rows].float() - stored_k[rows].float()
+    half = dk.shape[-1] // 2
+    swapped = torch.cat((dk[..., half:], dk[..., :half]), dim=-1)
+    turned = dk * cos[rows][:, None, :]
+    turned += swapped * signed_sin[rows][:, None, :]
+    return turned.mean(0), (fresh_v[rows].float() - stored_v[rows].float()).mean(0)
 
 
 @torch.no_grad()

@@ -2,7 +2,8 @@
 fp32 torch reference (`reposition_reference`): the same bits in every dtype pair, with one shift
 per row or one for all, into a strided slice of a larger frame; `reposition_keys` takes it on the
 CPU once the kernels are loaded; bad arguments are refused by name. The same for drift
-correction's in-place shift of stale rows (`shift_rows` against `shift_rows_reference`)."""
+correction's in-place shift of stale rows (`shift_rows` against `shift_rows_reference`), and its
+estimate (`drift_means`, within 1e-6 of `drift_means_reference`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from kmesh_blend.models.rope import RopeConfig, RotaryEmbedding
-from kmesh_blend.ops import reference, reposition_keys, shift_rows
+from kmesh_blend.ops import drift_means, reference, reposition_keys, shift_rows
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -128,3 +129,26 @@ def test_the_launcher_shifts_with_the_op(kernel: Any, monkeypatch: pytest.Monkey
     with pytest.raises(RuntimeError, match="shifts must be"):
         torch.ops.kmesh_cpu.shift_rows(k, v, rest[0][:2].contiguous(), rest[1][:2].contiguous(),
                                        rest[2], rest[3])  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_drift_means_within_a_millionth_of_the_reference(kernel: Any, dtype: torch.dtype) -> None:
+    """Drift correction's estimate (`drift_means`, summed in double) against the torch reference
+    over the same rows, strided inputs included; the launcher takes the op."""
+    for n, dim in ((1, 64), (374, 64), (70, 128), (9, 48)):
+        gen = torch.Generator().manual_seed(n + dim)
+        fresh = [(torch.randn(n, 3, dim, generator=gen) * 2).to(dtype) for _ in range(2)]
+        stored = torch.stack([(torch.randn(n, 3, dim, generator=gen) * 2).to(dtype)] * 2, dim=1)
+        back = RotaryEmbedding(RopeConfig(head_dim=dim)).tables(-torch.arange(n) - 7,
+                                                                 torch.float32)  # fmt: skip
+        rows = torch.randperm(n, generator=gen)[: max(1, n // 3)]
+        args = (fresh[0], stored[:, 0], fresh[1], stored[:, 1], back.cos, back.signed_sin, rows)
+        want_k, want_v = reference.drift_means_reference(*args)
+        got_k, got_v = torch.ops.kmesh_cpu.drift_means(*args)
+        torch.testing.assert_close(got_k, want_k, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got_v, want_v, atol=1e-6, rtol=1e-6)
+        assert torch.equal(drift_means(*args)[0], got_k)  # the launcher: the op's own result
+    with pytest.raises(RuntimeError, match="rows out of range"):
+        torch.ops.kmesh_cpu.drift_means(*args[:-1], torch.tensor([n]))
+    with pytest.raises(ValueError, match="non-empty"):
+        drift_means(*args[:-1], torch.tensor([], dtype=torch.int64))
