@@ -101,7 +101,7 @@ class DriftCorrection:
         back = self._back_for(computed, fresh_k.device)
         for span in self._spans:
             alphas = self.alphas.get(span.own.start)
-            if alphas is None or span.stale == 0 or not span.any_inside:
+            if alphas is None or span.stale == 0 or not span.rows.numel():
                 continue
             inside = span.rows.to(fresh_k.device)
             mean_k, mean_v = drift_means(fresh_k, stored_k, fresh_v, stored_v, *back, inside)
@@ -137,8 +137,7 @@ class DriftCorrection:
         for own in self._ranges:
             inside = own_computed & (computed >= own.first) & (computed < own.last)
             stale = own.last - own.first - int(inside.sum())
-            rows = inside.nonzero().squeeze(1)
-            self._spans.append(_SpanPlan(own, inside, rows, bool(rows.numel()), stale))
+            self._spans.append(_SpanPlan(own, inside, inside.nonzero().squeeze(1), stale))
 
     def _own_ranges(self) -> list[_OwnRange]:
         out = []
@@ -173,7 +172,6 @@ class _SpanPlan(NamedTuple):
     own: _OwnRange
     inside: torch.Tensor
     rows: torch.Tensor  # [m] int64: where ``inside`` is True
-    any_inside: bool
     stale: int
 
 

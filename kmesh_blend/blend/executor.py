@@ -211,11 +211,11 @@ class RequestBlend:
         recomputed = torch.zeros_like(self.reused)
         recomputed[self.computed] = True
         recomputed &= self.reused
-        run = (
-            self.computed.flip(0)
-            == torch.arange(self.positions.numel() - 1, -1, -1)[: self.computed.numel()]
-        )  # the computed tokens that end the prompt, counted from its last
-        last = self.hidden[-max(1, int(run.cumprod(0).sum())) :]
+        # The computed tokens that end the prompt: from the last, each one position before the
+        # next (ascending and distinct, so the gap to the prompt's end never shrinks).
+        gaps = self.positions.numel() - 1 - self.computed.flip(0)
+        run = int((gaps == torch.arange(gaps.numel())).sum())
+        last = self.hidden[-max(1, run) :]
         wanted = self.request.output and self.request.logits
         logits = self.model.logits(last[-1:]) if wanted else None
         drift = None if self.drift is None else self.drift.last_rows

@@ -29,7 +29,7 @@ from typing import Any
 
 __all__ = [
     "cascade_decode_op", "cpu_flags", "cpu_kernel_expected", "drift_means_op", "fill_own_op",
-    "reposition_op", "shift_rows_op", "verify_rows_op",
+    "loaded_op", "reposition_op", "shift_rows_op", "verify_rows_op",
 ]  # fmt: skip
 
 log = logging.getLogger("kmesh_blend.cpu")
@@ -85,50 +85,41 @@ def cascade_decode_op() -> tuple[Callable[..., Any] | None, str | None]:
     return _loaded
 
 
-def verify_rows_op() -> Callable[..., Any] | None:
-    """``torch.ops.kmesh_cpu.verify_rows`` (`verify_rows.cpp`: a reader's paged rows against a
-    master in one pass) once this process loaded the kernels, else None (callers keep torch
-    ops)."""
+def loaded_op(name: str) -> Callable[..., Any] | None:
+    """``torch.ops.kmesh_cpu.<name>`` once this process loaded the kernels, else None (callers
+    keep their torch ops). Never builds: arming and blending must not wait on a compiler; the
+    kernels are built at install and loaded by `cascade_decode_op` at an engine's start."""
     import torch
 
-    # never builds: arming must not wait on a compiler; the kernels are built at install
-    return torch.ops.kmesh_cpu.verify_rows if _loaded is not None and _loaded[0] else None
+    return getattr(torch.ops.kmesh_cpu, name) if _loaded is not None and _loaded[0] else None
+
+
+def verify_rows_op() -> Callable[..., Any] | None:
+    """`verify_rows.cpp`: a reader's paged rows against a master in one pass (`loaded_op`)."""
+    return loaded_op("verify_rows")
 
 
 def fill_own_op() -> Callable[..., Any] | None:
-    """``torch.ops.kmesh_cpu.fill_own`` (`fill_own.cpp`: a reader's rows from the paged cache into
-    its slot of own rows, every layer in one call) once this process loaded the kernels, else
-    None (callers keep torch ops; never builds, as `verify_rows_op`)."""
-    import torch
-
-    return torch.ops.kmesh_cpu.fill_own if _loaded is not None and _loaded[0] else None
+    """`fill_own.cpp`: a reader's rows from the paged cache into its slot of own rows, every
+    layer in one call (`loaded_op`)."""
+    return loaded_op("fill_own")
 
 
 def reposition_op() -> Callable[..., Any] | None:
-    """``torch.ops.kmesh_cpu.reposition`` (`reposition.cpp`: keys moved by position shifts, the
-    torch reference's bits) once this process loaded the kernels, else None (callers keep the
-    reference; never builds, as `verify_rows_op`)."""
-    import torch
-
-    return torch.ops.kmesh_cpu.reposition if _loaded is not None and _loaded[0] else None
+    """`reposition.cpp`: keys moved by position shifts, the torch reference's bits."""
+    return loaded_op("reposition")
 
 
 def shift_rows_op() -> Callable[..., Any] | None:
-    """``torch.ops.kmesh_cpu.shift_rows`` (`reposition.cpp`: drift correction's shift of stale
-    rows in one pass, `shift_rows_reference`'s bits) once this process loaded the kernels, else
-    None (never builds, as `verify_rows_op`)."""
-    import torch
-
-    return torch.ops.kmesh_cpu.shift_rows if _loaded is not None and _loaded[0] else None
+    """`reposition.cpp`: drift correction's shift of stale rows in one pass,
+    `shift_rows_reference`'s bits."""
+    return loaded_op("shift_rows")
 
 
 def drift_means_op() -> Callable[..., Any] | None:
-    """``torch.ops.kmesh_cpu.drift_means`` (`reposition.cpp`: drift correction's estimate in one
-    pass, within 1e-6 of `drift_means_reference`) once this process loaded the kernels, else
-    None (never builds, as `verify_rows_op`)."""
-    import torch
-
-    return torch.ops.kmesh_cpu.drift_means if _loaded is not None and _loaded[0] else None
+    """`reposition.cpp`: drift correction's estimate in one pass, within 1e-6 of
+    `drift_means_reference`."""
+    return loaded_op("drift_means")
 
 
 def _load() -> tuple[Callable[..., Any] | None, str | None]:
